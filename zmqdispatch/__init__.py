@@ -1,0 +1,60 @@
+"""zmqdispatch: an LLM gateway's direct ZeroMQ transport to inference engines.
+
+Public API (vLLM v1 EngineCore wire, vLLM 0.32 / 0.33)::
+
+    async with zmqdispatch.connect(handshake_address, launch=...) as client:
+        request = translate.to_engine_core_request(proto_request, max_model_len=client.max_model_len)
+        async with client.generate(request) as stream:
+            async for delta in stream:
+                ...
+
+Layout: ``wire/`` sans-IO codecs; ``protocol/`` sans-IO per-engine state
+(request table, mailboxes, aborts, death); ``translate/`` gateway protos <->
+wire; ``_zmq_trio`` the only module that calls pyzmq; ``client`` the trio
+shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
+"""
+
+from .client import ClientConfig, EngineClient, RequestStream, connect
+from .errors import (
+    ContextLengthError,
+    DuplicateRequestIdError,
+    EngineDeadError,
+    EngineError,
+    EngineHandshakeError,
+    EngineHandshakeTimeout,
+    EngineRequestError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    RequestError,
+    RequestRejected,
+    RequestStreamClosed,
+    SlowConsumerError,
+    UtilityCallError,
+    UtilityCallTimeout,
+    ZmqDispatchError,
+)
+from .protocol.mailbox import OutputDelta
+
+__all__ = [
+    "ClientConfig",
+    "EngineClient",
+    "RequestStream",
+    "OutputDelta",
+    "connect",
+    "ZmqDispatchError",
+    "RequestError",
+    "RequestRejected",
+    "ContextLengthError",
+    "DuplicateRequestIdError",
+    "EngineRequestError",
+    "SlowConsumerError",
+    "RequestStreamClosed",
+    "EngineError",
+    "EngineDeadError",
+    "EngineHandshakeError",
+    "EngineHandshakeTimeout",
+    "UtilityCallError",
+    "UtilityCallTimeout",
+    "RemoteProtocolError",
+    "LocalProtocolError",
+]

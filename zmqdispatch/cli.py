@@ -1,0 +1,238 @@
+"""Command line: ``zmqdispatch generate`` and ``zmqdispatch mock-engine``.
+
+``generate`` reads a proto-JSON ``vllm.grpc.engine.GenerateRequest`` (or builds
+one from flags), dispatches it to one engine and prints every
+``GenerateResponse`` as one proto-JSON line on stdout (nothing else goes to
+stdout, so it pipes into ``jq``). Engine choice:
+
+- ``--handshake-address ADDR``: bind and wait for an engine started elsewhere
+  (e.g. ``vllm serve DIR --headless --data-parallel-address 127.0.0.1
+  --data-parallel-rpc-port P`` with ``ADDR = tcp://127.0.0.1:P``);
+- ``--launch "CMD"``: start CMD with ``{handshake_address}`` substituted, stop
+  it on exit (its stdout goes to our stderr);
+- neither: start the embedded mock engine.
+
+Exit status: 0 the generate completed; 2 the client rejected the request
+(nothing was sent); 3 the engine failed (dead, handshake, engine error); 130
+interrupted. Failures print one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import uuid
+from collections.abc import Sequence
+
+import trio
+from google.protobuf import json_format
+
+from .client import ClientConfig, connect
+from .errors import EngineError, RequestError, RequestRejected, ZmqDispatchError
+from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
+from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
+from .translate.vllm import ResponseBuilder, pb, to_engine_core_request
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_REJECTED = 2
+EXIT_ENGINE = 3
+EXIT_INTERRUPTED = 130
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zmqdispatch", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser(
+        "generate",
+        help="dispatch one GenerateRequest and print GenerateResponse proto-JSON lines",
+        description="Dispatch one vllm.grpc.engine.GenerateRequest to an engine over ZMQ.",
+    )
+    src = g.add_argument_group("request")
+    src.add_argument("--request", metavar="FILE", help="proto-JSON GenerateRequest file, or - for stdin")
+    src.add_argument("--prompt-token-ids", type=_int_list, metavar="IDS", help="e.g. 1,2,3 (builds a request)")
+    src.add_argument("--request-id", help="default: a random zmqd-<hex> id")
+    src.add_argument("--max-tokens", type=int)
+    src.add_argument("--temperature", type=float)
+    src.add_argument("--top-p", type=float)
+    src.add_argument("--top-k", type=int)
+    src.add_argument("--seed", type=int)
+    src.add_argument("--stop-token-ids", type=_int_list, metavar="IDS")
+    src.add_argument("--no-stream", action="store_true", help="print only the complete")
+    eng = g.add_argument_group("engine")
+    how = eng.add_mutually_exclusive_group()
+    how.add_argument("--handshake-address", metavar="ADDR", help="bind here and wait for an engine to dial in")
+    how.add_argument("--launch", metavar="CMD", help="engine command; {handshake_address} is substituted")
+    eng.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT, metavar="S")
+    eng.add_argument("--silence-timeout", type=float, default=DEFAULT_SILENCE_TIMEOUT, metavar="S")
+    eng.add_argument("--vocab-size", type=int, help="reject token ids >= this (protects the engine)")
+    eng.add_argument("--eos-token-id", type=int, help="the model's EOS id (the engine has no tokenizer)")
+    eng.add_argument("--mock-max-model-len", type=int, default=4096, help="embedded mock only")
+
+    m = sub.add_parser(
+        "mock-engine",
+        help="run the wire-faithful mock vLLM engine",
+        description="A mock vLLM EngineCore that dials ADDR like the real one (see zmqdispatch.mock.server).",
+    )
+    m.add_argument("--handshake-address", required=True, metavar="ADDR")
+    m.add_argument("--engine-index", type=int, default=0)
+    m.add_argument("--max-model-len", type=int, default=4096)
+    m.add_argument("--vocab-size", type=int, default=32_000)
+    m.add_argument("--step-interval-ms", type=float, default=1.0, help="0 = as fast as possible")
+    m.add_argument("--tokens-per-step", type=int, default=1)
+    m.add_argument("--headless", action="store_true", help="announce local=false, headless=true")
+    m.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND[:N]",
+        help="sentinel:N, exit:N, garbage:N, silent:N, stop-reading:N, no-ready (repeatable)",
+    )
+    return parser
+
+
+def _load_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    if args.request is not None:
+        if args.prompt_token_ids is not None:
+            raise RequestRejected("use either --request or --prompt-token-ids, not both")
+        text = sys.stdin.read() if args.request == "-" else open(args.request, encoding="utf-8").read()
+        req = pb.GenerateRequest()
+        try:
+            json_format.Parse(text, req)
+        except json_format.ParseError as exc:
+            raise RequestRejected(f"--request: not a proto-JSON GenerateRequest: {exc}") from None
+        return req
+    if args.prompt_token_ids is None:
+        raise RequestRejected("give --request FILE or --prompt-token-ids IDS")
+    sp = pb.SamplingParams()
+    if args.max_tokens is not None:
+        if args.max_tokens < 0:
+            raise RequestRejected("--max-tokens must be >= 1", field="sampling_params.max_tokens")
+        sp.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        sp.temperature = args.temperature
+    if args.top_p is not None:
+        sp.top_p = args.top_p
+    if args.top_k is not None:
+        if args.top_k < 0:
+            raise RequestRejected("--top-k must be >= 0 (0 = disabled)", field="sampling_params.top_k")
+        sp.top_k = args.top_k
+    if args.seed is not None:
+        sp.seed = args.seed
+    if args.stop_token_ids:
+        sp.stop_token_ids.extend(args.stop_token_ids)
+    return pb.GenerateRequest(
+        request_id=args.request_id or f"zmqd-{uuid.uuid4().hex[:12]}",
+        tokenized=pb.TokenizedInput(input_ids=args.prompt_token_ids),
+        sampling_params=sp,
+        stream=not args.no_stream,
+    )
+
+
+def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}",
+            "--max-model-len", str(args.mock_max_model_len)]
+    if args.vocab_size is not None:
+        argv += ["--vocab-size", str(args.vocab_size)]
+    return argv
+
+
+def _print(resp: pb.GenerateResponse) -> None:
+    line = json_format.MessageToJson(
+        resp, indent=None, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+async def _generate(args: argparse.Namespace, req: pb.GenerateRequest) -> int:
+    config = ClientConfig(
+        handshake_timeout=args.handshake_timeout,
+        silence_timeout=args.silence_timeout,
+        vocab_size=args.vocab_size,
+    )
+    launch: str | list[str] | None
+    if args.handshake_address is not None:
+        launch = None
+    elif args.launch is not None:
+        launch = args.launch
+    else:
+        launch = _mock_launch_argv(args)
+    async with connect(args.handshake_address, launch=launch, config=config) as client:
+        engine_req = to_engine_core_request(
+            req,
+            max_model_len=client.max_model_len,
+            eos_token_id=args.eos_token_id,
+            engine_index=client.engine_index,
+        )
+        builder = ResponseBuilder(len(engine_req.prompt_token_ids), stream=req.stream)
+        async with client.generate(engine_req) as stream:
+            async for delta in stream:
+                for resp in builder.feed(delta):
+                    _print(resp)
+    return EXIT_OK
+
+
+def _fail(code: int, message: str) -> int:
+    sys.stderr.write(f"zmqdispatch: error: {message}\n")
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status."""
+    args = _build_parser().parse_args(argv)
+    if args.command == "mock-engine":
+        try:
+            faults = tuple(parse_fault(f) for f in args.fault)
+        except ValueError as exc:
+            return _fail(EXIT_REJECTED, str(exc))
+        cfg = MockEngineConfig(
+            handshake_address=args.handshake_address,
+            engine_index=args.engine_index,
+            max_model_len=args.max_model_len,
+            vocab_size=args.vocab_size,
+            step_interval=args.step_interval_ms / 1000.0,
+            tokens_per_step=args.tokens_per_step,
+            faults=faults,
+            headless=args.headless,
+        )
+        try:
+            return run_mock_main(cfg)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+
+    try:
+        req = _load_request(args)
+        # Proto-level checks first, so a bad request fails before an engine starts.
+        to_engine_core_request(req, max_model_len=2**31 - 1, eos_token_id=args.eos_token_id)
+        return trio.run(_generate, args, req)
+    except RequestRejected as exc:
+        return _fail(EXIT_REJECTED, f"request rejected: {exc}")
+    except (EngineError, RequestError) as exc:
+        return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
+    except ZmqDispatchError as exc:
+        return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
+    except OSError as exc:
+        return _fail(EXIT_REJECTED if isinstance(exc, FileNotFoundError) else EXIT_ENGINE, str(exc))
+    except KeyboardInterrupt:
+        return _fail(EXIT_INTERRUPTED, "interrupted")
+
+
+def main_entry() -> None:
+    """Console-script entry point (``zmqdispatch``)."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main_entry()

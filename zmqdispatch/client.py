@@ -1,0 +1,739 @@
+"""The trio shell around :class:`~zmqdispatch.protocol.engine.EngineProtocol`.
+
+:func:`connect` is an async context manager whose nursery owns one engine's
+sockets (vLLM's topology: the client binds, the engine dials in)::
+
+    handshake ROUTER (bind) <- engine DEALER   HELLO / INIT / READY, then closed
+    input     ROUTER (bind) <- engine DEALER   ready response, then ADD/ABORT/UTILITY
+    output    PULL   (bind) <- engine PUSH     EngineCoreOutputs, ENGINE_CORE_DEAD
+
+Task tree inside the nursery (one owner task per socket, trio_zmq.md section 8)::
+
+    output pump   owns PULL: recv_batch -> EngineProtocol.frames_received (sync routing)
+    input pump    owns ROUTER: EngineProtocol.pop_send -> bounded send
+    watchdog      silence while requests are in flight -> engine death
+    process watch (engines we spawned) exit -> engine death
+
+Per-request streams are *not* tasks: :meth:`EngineClient.generate` returns a
+:class:`RequestStream`, an ``async with`` context manager and async iterator
+over :class:`~zmqdispatch.protocol.mailbox.OutputDelta`. Leaving it before the
+final output aborts the request on the engine, synchronously, so it works even
+when the exit is a cancellation (an ``await`` in a cancelled scope would raise
+``Cancelled`` and lose the ABORT; known failure K7).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+import zmq
+
+from . import limits
+from ._zmq_trio import PeerUnreachable, SendTimeout, TrioSocket, ZmqContext, parse_monitor_event
+from .errors import (
+    EngineDeadError,
+    EngineHandshakeError,
+    EngineHandshakeTimeout,
+    RemoteProtocolError,
+    RequestStreamClosed,
+    UtilityCallTimeout,
+)
+from .protocol.checks import check_request
+from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
+from .protocol.mailbox import Mailbox, OutputDelta
+from .wire import vllm as wire
+
+__all__ = ["ClientConfig", "EngineClient", "RequestStream", "connect"]
+
+
+@attrs.frozen(kw_only=True)
+class ClientConfig:
+    """Per-connection settings. Defaults and their reasons: :mod:`zmqdispatch.limits`.
+
+    Attributes:
+        handshake_timeout: seconds for the whole startup handshake.
+        send_timeout: seconds one input send may wait for room before the
+            engine is declared dead (``reason="send_timeout"``).
+        send_hwm: messages queued towards the engine before sends wait.
+        silence_timeout: seconds without output while requests are in flight
+            before the engine is declared dead (``reason="silence"``).
+        max_decode_errors: consecutive undecodable messages that mean death.
+        max_pending_tokens: per-stream backlog before ``SlowConsumerError``.
+        utility_timeout: default seconds a utility call waits.
+        vocab_size: when set, prompt and stop token ids are checked against it.
+        input_address / output_address: data-plane endpoints to bind (default:
+            ``ipc://`` in a private 0700 temporary directory). Fixed addresses
+            let headless engines reconnect to a restarted client.
+        terminate_grace: seconds a spawned engine gets after SIGTERM.
+        death_on_disconnect: treat the engine's input connection closing (a
+            zmq monitor ``EVENT_DISCONNECTED`` on the input ROUTER) as death
+            (``reason="disconnected"``). Right for same-host engines, where it
+            catches a SIGKILLed engine we did not spawn at once; turn it off
+            for tcp links that may drop and reconnect.
+    """
+
+    handshake_timeout: float = limits.DEFAULT_HANDSHAKE_TIMEOUT
+    send_timeout: float = limits.DEFAULT_SEND_TIMEOUT
+    send_hwm: int = limits.DEFAULT_SEND_HWM
+    silence_timeout: float = limits.DEFAULT_SILENCE_TIMEOUT
+    max_decode_errors: int = limits.DEFAULT_MAX_DECODE_ERRORS
+    max_pending_tokens: int = limits.DEFAULT_MAX_PENDING_TOKENS
+    utility_timeout: float = limits.DEFAULT_UTILITY_TIMEOUT
+    vocab_size: int | None = None
+    input_address: str | None = None
+    output_address: str | None = None
+    terminate_grace: float = limits.DEFAULT_TERMINATE_GRACE
+    death_on_disconnect: bool = True
+
+
+async def _park(obj: Any) -> None:
+    """Sleep until ``obj.waiter()`` is called (by the sans-IO core).
+
+    Cancellation: a cancel point; on cancel ``obj.waiter`` is cleared and
+    nothing else changes.
+    """
+    task = trio.lowlevel.current_task()
+    obj.waiter = lambda: trio.lowlevel.reschedule(task)
+
+    def abort_fn(_: Any) -> trio.lowlevel.Abort:
+        obj.waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    await trio.lowlevel.wait_task_rescheduled(abort_fn)
+
+
+class RequestStream:
+    """One request's outputs: ``async with`` it, then iterate.
+
+    ::
+
+        async with client.generate(request) as stream:
+            async for delta in stream:       # OutputDelta, merged if you lag
+                ...
+
+    Entering waits until the ADD is accepted by the socket. Iteration yields
+    :class:`OutputDelta` objects and stops after the one whose
+    ``finish_reason`` is set. Leaving the block before that (``break``, an
+    exception, a cancellation) aborts the request on the engine: the ABORT is
+    queued synchronously, batched with others, and sent by the input pump.
+
+    Raises (from ``__aenter__`` or iteration):
+        EngineDeadError: the engine died (every open stream gets one).
+        EngineRequestError: the engine finished the request with an error.
+        SlowConsumerError: the consumer fell behind ``max_pending_tokens``.
+        RemoteProtocolError: this request's output did not decode.
+        RequestStreamClosed: iterating a stream that was aborted.
+    """
+
+    __slots__ = ("_client", "request_id", "_mailbox", "_add", "_eof", "_closed")
+
+    def __init__(self, client: EngineClient, request_id: str, mailbox: Mailbox, add: Outgoing) -> None:
+        self._client = client
+        self.request_id = request_id
+        self._mailbox = mailbox
+        self._add = add
+        self._eof = False  # the final delta was handed to the consumer
+        self._closed = False  # aborted / exited before the final delta
+
+    def __repr__(self) -> str:
+        return f"<RequestStream {self.request_id!r} eof={self._eof} closed={self._closed} {self._mailbox!r}>"
+
+    async def __aenter__(self) -> RequestStream:
+        add = self._add
+        if trio.current_effective_deadline() == -math.inf:
+            # Entered from an already-cancelled scope: withdraw the ADD before
+            # the input pump can run, so it never reaches the engine.
+            self.abort()
+            await trio.lowlevel.checkpoint()
+        try:
+            while add.state is SendState.QUEUED or add.state is SendState.SENDING:
+                await _park(add)
+        except BaseException:
+            self.abort()
+            raise
+        if add.state is SendState.FAILED:
+            self._closed = True
+            self._client._protocol.check_alive()
+            raise EngineDeadError("engine died before the request was sent", reason="closed")
+        if add.state is SendState.CANCELLED:
+            self._closed = True
+            raise RequestStreamClosed(
+                f"request {self.request_id!r} was aborted before it was sent", request_id=self.request_id
+            )
+        await trio.lowlevel.checkpoint()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort the request now unless it already finished. Synchronous,
+        idempotent, never raises; iteration afterwards raises
+        :class:`RequestStreamClosed`."""
+        if not self._eof and not self._closed:
+            self._closed = True
+            self._client._protocol.abort_mailbox(self._mailbox)
+
+    async def aclose(self) -> None:
+        """Async alias of :meth:`abort` (a checkpoint)."""
+        self.abort()
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def finished(self) -> bool:
+        """True once the final output was received or the stream was aborted."""
+        return self._eof or self._closed
+
+    async def receive(self) -> OutputDelta:
+        """The next :class:`OutputDelta` (merged ticks if the consumer lagged).
+
+        Cancellation: atomic; a cancelled receive leaves the pending delta in
+        the mailbox.
+
+        Raises:
+            trio.EndOfChannel: after the final delta was returned.
+            plus the errors listed on the class.
+        """
+        mb = self._mailbox
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._eof:
+                raise trio.EndOfChannel
+            if self._closed:
+                raise RequestStreamClosed(f"request {self.request_id!r}: stream was aborted", request_id=self.request_id)
+            delta = mb.take()  # raises the stream's error once nothing is pending
+            if delta is not None:
+                if delta.finish_reason is not None:
+                    self._eof = True
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return delta
+            await _park(mb)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> OutputDelta:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+class EngineClient:
+    """A handshaken connection to one vLLM EngineCore. Create with :func:`connect`.
+
+    Attributes:
+        ready: the engine's ``EngineCoreReadyResponse`` (``max_model_len`` etc.).
+        engine_index: the engine's DP rank, from its 2-byte identity.
+        config: the :class:`ClientConfig` in force.
+    """
+
+    def __init__(
+        self,
+        *,
+        protocol: EngineProtocol,
+        ready: wire.EngineCoreReadyResponse,
+        config: ClientConfig,
+        input_sock: TrioSocket,
+        output_sock: TrioSocket,
+        process: trio.Process | None,
+        monitor_sock: TrioSocket | None = None,
+    ) -> None:
+        self._protocol = protocol
+        self.ready = ready
+        self.engine_index = protocol.engine_index
+        self.config = config
+        self._input = input_sock
+        self._output = output_sock
+        self._process = process
+        self._monitor = monitor_sock
+        self._last_activity = trio.current_time()
+        self._closing = False
+        self._dead = trio.Event()
+        protocol.on_death = lambda exc: self._dead.set()
+
+    def __repr__(self) -> str:
+        p = self._protocol
+        return f"<EngineClient engine={p.engine_index} {p.state.value} inflight={p.inflight}>"
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def protocol(self) -> EngineProtocol:
+        """The sans-IO state (counters, inflight); read-only use."""
+        return self._protocol
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context length in tokens (post KV-fit, from its ready response)."""
+        return self.ready.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine is known dead or the client closed (latched)."""
+        return self._protocol.state is LinkState.READY
+
+    @property
+    def death(self) -> EngineDeadError | None:
+        """Why the engine is considered dead (``None`` while alive)."""
+        return self._protocol.death
+
+    async def wait_dead(self) -> EngineDeadError:
+        """Block until the engine is declared dead; return the cause."""
+        await self._dead.wait()
+        assert self._protocol.death is not None
+        return self._protocol.death
+
+    def check_request(self, request: wire.EngineCoreRequest) -> None:
+        """Validate *request* for this engine without sending anything.
+
+        Raises:
+            RequestRejected / ContextLengthError: see :func:`zmqdispatch.protocol.checks.check_request`.
+        """
+        check_request(request, max_model_len=self.ready.max_model_len, vocab_size=self.config.vocab_size)
+
+    def generate(self, request: wire.EngineCoreRequest) -> RequestStream:
+        """Validate and submit *request*; return its stream (use ``async with``).
+
+        Synchronous: the ADD is queued at once; ``__aenter__`` waits until the
+        socket accepted it.
+
+        Raises:
+            RequestRejected: the request fails validation (nothing is sent).
+            DuplicateRequestIdError: the ``request_id`` is live.
+            EngineDeadError: the engine is dead or the client closed.
+        """
+        self.check_request(request)
+        p = self._protocol
+        if p.inflight == 0:
+            self._last_activity = trio.current_time()
+        mailbox, add = p.submit(request)
+        return RequestStream(self, request.request_id, mailbox, add)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""
+        self._protocol.abort(request_ids)
+
+    async def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``EngineCore.<method>(*args)`` on the engine and return its result.
+
+        Wire: UTILITY ``[client_index, call_id, method, args]``; the reply is an
+        ``EngineCoreOutputs`` carrying ``utility_output`` (vLLM 0.32 section 5.7).
+
+        Raises:
+            UtilityCallTimeout: no reply within *timeout* (default
+                ``config.utility_timeout``) seconds.
+            UtilityCallError: the engine reported a failure.
+            EngineDeadError: the engine died.
+        """
+        timeout = self.config.utility_timeout if timeout is None else timeout
+        p = self._protocol
+        call = p.start_utility(method, args)
+        try:
+            with trio.move_on_after(timeout):
+                while not call.done:
+                    await _park(call)
+        finally:
+            if not call.done:
+                p.forget_utility(call)
+        if not call.done:
+            raise UtilityCallTimeout(
+                f"utility call {method!r} got no reply within {timeout} s", engine_index=self.engine_index
+            )
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    async def get_supported_tasks(self, *, timeout: float | None = None) -> tuple[str, ...]:
+        """The engine's supported tasks, e.g. ``("generate",)``."""
+        return tuple(await self.call_utility("get_supported_tasks", timeout=timeout))
+
+    async def is_sleeping(self, *, timeout: float | None = None) -> bool:
+        """Whether the engine is in sleep mode."""
+        return bool(await self.call_utility("is_sleeping", timeout=timeout))
+
+    # ------------------------------------------------------------------ tasks
+
+    def _died(self, reason: str, message: str) -> None:
+        self._protocol.engine_died(EngineDeadError(message, engine_index=self.engine_index, reason=reason))
+
+    async def _output_pump(self) -> None:
+        sock = self._output
+        p = self._protocol
+        try:
+            while p.state is LinkState.READY:
+                batch = await sock.recv_batch()
+                self._last_activity = trio.current_time()
+                for frames in batch:
+                    p.frames_received(frames)
+        except trio.ClosedResourceError:
+            return
+
+    async def _input_pump(self) -> None:
+        sock = self._input
+        p = self._protocol
+        timeout = self.config.send_timeout
+        while p.state is LinkState.READY:
+            out = p.pop_send()
+            if out is None:
+                await _park_sender(p)
+                continue
+            try:
+                await sock.send(out.frames, timeout=timeout)
+            except PeerUnreachable:
+                self._died("unreachable", f"engine {self.engine_index} is not connected to the input socket (EHOSTUNREACH)")
+                return
+            except SendTimeout:
+                self._died(
+                    "send_timeout",
+                    f"engine {self.engine_index} stopped reading its input: a send waited {timeout} s",
+                )
+                return
+            except trio.ClosedResourceError:
+                return
+            p.send_done(out)
+
+    async def _watchdog(self) -> None:
+        p = self._protocol
+        timeout = self.config.silence_timeout
+        if not math.isfinite(timeout):
+            return
+        while p.state is LinkState.READY:
+            deadline = self._last_activity + timeout
+            if trio.current_time() >= deadline:
+                if p.inflight > 0:
+                    self._died(
+                        "silence",
+                        f"engine {self.engine_index} sent nothing for {timeout} s with {p.inflight} requests in flight",
+                    )
+                    return
+                self._last_activity = trio.current_time()
+                continue
+            await trio.sleep_until(deadline)
+
+    async def _monitor_watch(self) -> None:
+        assert self._monitor is not None
+        sock = self._monitor
+        try:
+            while self._protocol.state is LinkState.READY:
+                event, endpoint = parse_monitor_event(await sock.recv_multipart())
+                if event == zmq.EVENT_DISCONNECTED and not self._closing:
+                    self._died(
+                        "disconnected",
+                        f"engine {self.engine_index} closed its input connection ({endpoint})",
+                    )
+                    return
+        except trio.ClosedResourceError:
+            return
+
+    async def _process_watch(self) -> None:
+        assert self._process is not None
+        code = await self._process.wait()
+        if not self._closing:
+            self._died("process_exit", f"engine process {self._process.pid} exited with code {code}")
+
+    def _flush_aborts_nowait(self) -> None:
+        """Best-effort, non-blocking send of queued ABORTs at shutdown."""
+        p = self._protocol
+        if p.state is not LinkState.READY or not p.pending_abort_ids:
+            return
+        out = p.pop_send()
+        while out is not None:
+            try:
+                if not self._input.try_send(out.frames):
+                    break
+            except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
+                break
+            p.send_done(out)
+            out = p.pop_send()
+
+
+async def _park_sender(p: EngineProtocol) -> None:
+    """Sleep until the protocol has something to send (or died)."""
+    if p.wants_send or p.state is not LinkState.READY:
+        await trio.lowlevel.checkpoint()
+        return
+    task = trio.lowlevel.current_task()
+    p.send_waiter = lambda: trio.lowlevel.reschedule(task)
+
+    def abort_fn(_: Any) -> trio.lowlevel.Abort:
+        p.send_waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    await trio.lowlevel.wait_task_rescheduled(abort_fn)
+
+
+# ---------------------------------------------------------------------- connect
+
+
+def _private_ipc_dir() -> str:
+    # mkdtemp creates the directory with mode 0700 atomically: no window in
+    # which another user could plant a socket file.
+    return tempfile.mkdtemp(prefix="zmqd-")
+
+
+def _format_launch(launch: str | Sequence[str], handshake_address: str) -> list[str]:
+    argv = shlex.split(launch) if isinstance(launch, str) else list(launch)
+    return [a.replace("{handshake_address}", handshake_address) for a in argv]
+
+
+def _unwrap(eg: BaseExceptionGroup) -> BaseException:
+    """The one meaningful exception of a nursery failure (Cancelled dropped)."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        elif not isinstance(e, trio.Cancelled):
+            leaves.append(e)
+
+    walk(eg)
+    if len(leaves) == 1:
+        return leaves[0]
+    return eg
+
+
+async def _terminate(proc: trio.Process, grace: float) -> None:
+    """SIGTERM the process group, then SIGKILL after *grace* seconds. Shielded."""
+    with trio.CancelScope(shield=True):
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            with trio.move_on_after(grace):
+                await proc.wait()
+        # Kill the whole group: vllm serve / EngineCore spawn workers.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        with trio.move_on_after(2):
+            await proc.wait()
+
+
+async def _handshake(
+    hs: TrioSocket,
+    inp: TrioSocket,
+    *,
+    input_address: str,
+    output_address: str,
+    timeout: float,
+    process: trio.Process | None,
+) -> tuple[bytes, wire.EngineCoreReadyResponse]:
+    """HELLO -> INIT -> (READY on the handshake socket, ready response on the
+    input socket, in either order). vLLM 0.32 ``vllm_wire.md`` section 5.1."""
+    result: dict[str, Any] = {}
+
+    def stage() -> str:
+        if "identity" not in result:
+            return "HELLO"
+        if "ready_status" not in result:
+            return "READY"
+        return "input_registration"
+
+    async def handshake_side() -> None:
+        while True:
+            msg = await hs.recv_multipart()
+            if len(msg) != 2:
+                raise EngineHandshakeError(f"handshake message has {len(msg)} frames, expected 2")
+            identity, payload = msg
+            try:
+                status = wire.decode_handshake_status(payload)
+            except RemoteProtocolError as exc:
+                raise EngineHandshakeError(f"undecodable handshake message: {exc}") from exc
+            if status.status == "HELLO":
+                if "identity" in result:
+                    raise EngineHandshakeError(f"second HELLO (identity {identity.hex()}) during the handshake")
+                result["identity"] = identity
+                await hs.send([identity, wire.encode_init(inputs=[input_address], outputs=[output_address])])
+                inp_ready_started.set()
+            elif status.status == "READY":
+                if result.get("identity") != identity:
+                    raise EngineHandshakeError(f"READY from identity {identity.hex()} before its HELLO")
+                result["ready_status"] = status
+                return
+            else:
+                raise EngineHandshakeError(f"unexpected handshake status {status.status!r}")
+
+    async def input_side() -> None:
+        msg = await inp.recv_multipart()
+        if len(msg) != 2:
+            raise EngineHandshakeError(f"input registration has {len(msg)} frames, expected 2")
+        identity, payload = msg
+        await inp_ready_started.wait()
+        if identity != result.get("identity"):
+            raise EngineHandshakeError(f"ready response from unknown identity {identity.hex()}")
+        try:
+            result["ready"] = wire.decode_ready_response(payload)
+        except RemoteProtocolError as exc:
+            raise EngineHandshakeError(f"bad EngineCoreReadyResponse: {exc}") from exc
+
+    async def watch_process() -> None:
+        assert process is not None
+        code = await process.wait()
+        raise EngineHandshakeError(f"engine process {process.pid} exited with code {code} during the handshake")
+
+    inp_ready_started = trio.Event()
+    try:
+        with trio.fail_after(timeout):
+            async with trio.open_nursery() as nursery:
+                if process is not None:
+                    nursery.start_soon(watch_process)
+
+                async def both() -> None:
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(handshake_side)
+                        inner.start_soon(input_side)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(both)
+    except trio.TooSlowError:
+        raise EngineHandshakeTimeout(
+            f"engine handshake timed out after {timeout} s waiting for {stage()}", stage=stage()
+        ) from None
+    except BaseExceptionGroup as eg:
+        raise _unwrap(eg) from None
+    return result["identity"], result["ready"]
+
+
+@asynccontextmanager
+async def connect(
+    handshake_address: str | None = None,
+    *,
+    launch: str | Sequence[str] | None = None,
+    config: ClientConfig | None = None,
+    launch_stdout: int | None = None,
+) -> AsyncIterator[EngineClient]:
+    """Bind the three sockets, handshake one vLLM EngineCore, and serve it.
+
+    Args:
+        handshake_address: where to bind the handshake ROUTER (``tcp://HOST:PORT``
+            for ``vllm serve --headless --data-parallel-address HOST
+            --data-parallel-rpc-port PORT``; ``ipc://PATH``). Default: an
+            ``ipc://`` path in a private 0700 temporary directory.
+        launch: an engine command (string or argv) to start after binding;
+            ``{handshake_address}`` in it is replaced by the bound address. The
+            process runs in its own process group with stdout sent to our
+            stderr; it is terminated (SIGTERM, then SIGKILL after
+            ``terminate_grace``) when the block exits or the handshake fails.
+        config: :class:`ClientConfig`.
+        launch_stdout: fd for the launched engine's stdout (default: our stderr).
+
+    Yields:
+        a ready :class:`EngineClient`.
+
+    Raises:
+        EngineHandshakeTimeout: no complete handshake within
+            ``config.handshake_timeout`` (the spawned engine is killed).
+        EngineHandshakeError: a malformed handshake, or the spawned engine exited.
+
+    Cancellation: cancelling the block cancels the handshake or the pumps,
+    sends queued ABORTs best-effort, closes the sockets, removes the private
+    ipc directory and terminates a spawned engine.
+    """
+    config = config or ClientConfig()
+    ctx = ZmqContext()
+    ipc_dir: str | None = None
+
+    def ipc(name: str) -> str:
+        nonlocal ipc_dir
+        if ipc_dir is None:
+            ipc_dir = _private_ipc_dir()
+        return f"ipc://{ipc_dir}/{name}"
+
+    inp = ctx.socket(zmq.ROUTER, name="input", router_mandatory=True, sndhwm=config.send_hwm)
+    out = ctx.socket(zmq.PULL, name="output", rcvhwm=0, maxmsgsize=limits.MAX_FRAME_BYTES)
+    hs = ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True)
+    process: trio.Process | None = None
+    client: EngineClient | None = None
+    monitor: TrioSocket | None = None
+    try:
+        input_address = inp.bind(config.input_address or ipc("input.sock"))
+        output_address = out.bind(config.output_address or ipc("output.sock"))
+        hs_address = hs.bind(handshake_address or ipc("handshake.sock"))
+        if launch is not None:
+            argv = _format_launch(launch, hs_address)
+            try:
+                process = await trio.lowlevel.open_process(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=launch_stdout if launch_stdout is not None else sys.stderr.fileno(),
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+        identity, ready = await _handshake(
+            hs,
+            inp,
+            input_address=input_address,
+            output_address=output_address,
+            timeout=config.handshake_timeout,
+            process=process,
+        )
+        hs.close()
+        engine_index = int.from_bytes(identity, "little") if len(identity) == 2 else 0
+        protocol = EngineProtocol(
+            engine_index=engine_index,
+            identity=identity,
+            max_pending_tokens=config.max_pending_tokens,
+            max_decode_errors=config.max_decode_errors,
+        )
+        if config.death_on_disconnect:
+            monitor = inp.monitor(zmq.EVENT_DISCONNECTED, name="input-monitor")
+        client = EngineClient(
+            protocol=protocol,
+            ready=ready,
+            config=config,
+            input_sock=inp,
+            output_sock=out,
+            process=process,
+            monitor_sock=monitor,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client._output_pump)
+                nursery.start_soon(client._input_pump)
+                nursery.start_soon(client._watchdog)
+                if process is not None:
+                    nursery.start_soon(client._process_watch)
+                if monitor is not None:
+                    nursery.start_soon(client._monitor_watch)
+                try:
+                    yield client
+                finally:
+                    client._closing = True
+                    client._flush_aborts_nowait()
+                    protocol.engine_died(
+                        EngineDeadError("the engine client is closed", engine_index=engine_index, reason="closed")
+                    )
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            raise _unwrap(eg) from None
+    finally:
+        if client is not None:
+            client._closing = True
+        if monitor is not None:
+            inp.disable_monitor()
+            monitor.close()
+        hs.close()
+        out.close()
+        # Give queued ABORTs a moment to leave in the background.
+        inp.close(linger_ms=1000)
+        if process is not None:
+            await _terminate(process, config.terminate_grace)
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -1,0 +1,214 @@
+"""The public exception hierarchy of zmqdispatch.
+
+Errors are split by blame, the way h11 and httpcore split them:
+
+- :class:`RequestError` -- one request failed; the engine link is fine.
+  :class:`RequestRejected` (also a :class:`ValueError`) is raised *before*
+  anything is sent: a field the wire cannot carry, a value the engine would
+  die on, a context-length overflow, a duplicate live ``request_id``.
+- :class:`EngineError` -- the engine side failed. :class:`EngineDeadError`
+  fails every open stream of one engine connection at once; new requests on
+  that connection are refused with the same type.
+- :class:`RemoteProtocolError` -- the engine sent bytes that do not decode as
+  its wire (vLLM ``EngineCoreOutputs``). Raised by the sans-IO decoders; the
+  connection counts them and declares the engine dead after a streak.
+
+Raw ``zmq.ZMQError``, ``trio`` resource errors and ``msgpack`` exceptions never
+escape the public API: they are translated at one boundary.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ZmqDispatchError",
+    "RequestError",
+    "RequestRejected",
+    "ContextLengthError",
+    "DuplicateRequestIdError",
+    "EngineRequestError",
+    "SlowConsumerError",
+    "RequestStreamClosed",
+    "EngineError",
+    "EngineDeadError",
+    "EngineHandshakeError",
+    "EngineHandshakeTimeout",
+    "UtilityCallError",
+    "UtilityCallTimeout",
+    "RemoteProtocolError",
+    "LocalProtocolError",
+]
+
+
+class ZmqDispatchError(Exception):
+    """Base class of every error zmqdispatch raises on purpose."""
+
+
+# --------------------------------------------------------------------------- request
+
+
+class RequestError(ZmqDispatchError):
+    """One request failed; the engine connection itself is still usable.
+
+    Attributes:
+        request_id: the id the request was submitted with ("" when unknown).
+    """
+
+    def __init__(self, message: str, *, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class RequestRejected(RequestError, ValueError):
+    """The request was refused locally; nothing was sent to the engine.
+
+    Attributes:
+        field: dotted name of the offending field (``"sampling_params.top_p"``),
+            or ``""`` when the request as a whole is at fault.
+    """
+
+    def __init__(self, message: str, *, request_id: str = "", field: str = "") -> None:
+        super().__init__(message, request_id=request_id)
+        self.field = field
+
+
+class ContextLengthError(RequestRejected):
+    """The prompt (plus ``max_tokens``) does not fit ``max_model_len``.
+
+    Attributes:
+        prompt_len: number of prompt tokens.
+        max_tokens: requested (or defaulted) completion tokens, ``None`` when the
+            prompt alone is too long.
+        max_model_len: the engine's context length from its ready response.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str = "",
+        prompt_len: int,
+        max_tokens: int | None,
+        max_model_len: int,
+    ) -> None:
+        super().__init__(message, request_id=request_id, field="prompt_token_ids")
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+class DuplicateRequestIdError(RequestRejected):
+    """A request with this id is still live on the connection.
+
+    vLLM's scheduler asserts on a duplicate live id and the whole engine dies
+    (``vllm_wire.md`` section 5.8), so the client refuses it first.
+    """
+
+
+class EngineRequestError(RequestError):
+    """The engine finished this request with ``FinishReason.ERROR`` (3).
+
+    The engine keeps serving other requests. ``code`` / ``retryable`` come from
+    vLLM 0.33's ``RequestError`` output field when present.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str = "",
+        code: str | None = None,
+        retryable: bool | None = None,
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.code = code
+        self.retryable = retryable
+
+
+class SlowConsumerError(RequestError):
+    """The stream's consumer fell too far behind; the request was aborted.
+
+    Attributes:
+        pending_tokens: tokens buffered for the stream when it was failed.
+        limit: the configured bound (``ClientConfig.max_pending_tokens``).
+    """
+
+    def __init__(self, message: str, *, request_id: str = "", pending_tokens: int, limit: int) -> None:
+        super().__init__(message, request_id=request_id)
+        self.pending_tokens = pending_tokens
+        self.limit = limit
+
+
+class RequestStreamClosed(RequestError):
+    """The stream was used after it was closed, or the connection closed under it.
+
+    A stream never ends "cleanly" without a terminal output: truncation is
+    always this error (SMG lesson 11a).
+    """
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class EngineError(ZmqDispatchError):
+    """The engine side failed.
+
+    Attributes:
+        engine_index: the engine's DP rank / identity index, ``None`` if unknown.
+    """
+
+    def __init__(self, message: str, *, engine_index: int | None = None) -> None:
+        super().__init__(message)
+        self.engine_index = engine_index
+
+
+class EngineDeadError(EngineError):
+    """The engine is gone: every open stream fails with this, new requests too.
+
+    Attributes:
+        reason: a short machine-readable cause: ``"sentinel"`` (``ENGINE_CORE_DEAD``),
+            ``"process_exit"``, ``"unreachable"`` (EHOSTUNREACH on send),
+            ``"send_timeout"`` (the engine stopped reading its input),
+            ``"decode_errors"``, ``"silence"`` or ``"closed"`` (the client shut down).
+    """
+
+    def __init__(self, message: str, *, engine_index: int | None = None, reason: str) -> None:
+        super().__init__(message, engine_index=engine_index)
+        self.reason = reason
+
+
+class EngineHandshakeError(EngineError):
+    """The startup handshake failed (an unexpected message, a spawned engine exited)."""
+
+
+class EngineHandshakeTimeout(EngineHandshakeError, TimeoutError):
+    """The handshake did not complete within ``ClientConfig.handshake_timeout``.
+
+    Attributes:
+        stage: ``"HELLO"``, ``"READY"`` or ``"input_registration"``.
+    """
+
+    def __init__(self, message: str, *, engine_index: int | None = None, stage: str) -> None:
+        super().__init__(message, engine_index=engine_index)
+        self.stage = stage
+
+
+class UtilityCallError(EngineError):
+    """The engine answered a utility call with a ``failure_message``."""
+
+
+class UtilityCallTimeout(UtilityCallError, TimeoutError):
+    """No utility reply arrived within the call's timeout."""
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+class RemoteProtocolError(ZmqDispatchError):
+    """The engine sent bytes that are not valid on its wire.
+
+    The only exception the sans-IO decoders raise for hostile input.
+    """
+
+
+class LocalProtocolError(ZmqDispatchError):
+    """We (the caller of a sans-IO API) tried something the wire cannot express."""

@@ -1,0 +1,76 @@
+"""Every size and time limit of zmqdispatch, in one place.
+
+Each limit is a named default with the reason it has the value it has (h11
+style). The connection-level ones are copied into :class:`zmqdispatch.ClientConfig`
+and can be changed per connection; the decoder ones bound what hostile engine
+bytes can make us allocate.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- decoding engine bytes
+
+#: Largest output frame (msgpack body or aux buffer) we accept, in bytes. pyzmq
+#: has already allocated the frame when we see it, so this is enforced with the
+#: socket option ``MAXMSGSIZE`` on the output PULL (libzmq drops the peer
+#: connection for a bigger message) and re-checked by the decoder. A real
+#: engine's step message is a few KiB per request; prompt logprobs of a long
+#: prompt with k=20 are ~ 8 * P * 21 bytes, so 256 MiB leaves ample room.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+#: Largest element count a tensor header (``[dtype, shape, data]``) may claim.
+#: A shape is checked against the bytes actually present, so a lying header
+#: cannot make us allocate; this bound only rejects absurd shapes early.
+MAX_TENSOR_ELEMENTS = 64 * 1024 * 1024
+
+#: Largest number of outputs in one ``EngineCoreOutputs`` (vLLM's
+#: ``max_num_seqs`` is typically 256-1024).
+MAX_OUTPUTS_PER_MESSAGE = 65_536
+
+#: Largest number of new tokens in one ``EngineCoreOutput`` (speculative decoding
+#: emits a handful; more means a broken peer).
+MAX_TOKENS_PER_TICK = 4096
+
+# ---------------------------------------------------------------- connection defaults
+
+#: Seconds allowed for the whole HELLO / INIT / READY / ready-response exchange.
+#: A real engine loads its model between INIT and READY; vLLM's own default is
+#: 600 s (``VLLM_ENGINE_READY_TIMEOUT_S``) and warm-ups of over 10 min exist
+#: (vllm PR #27444), so it is configurable.
+DEFAULT_HANDSHAKE_TIMEOUT = 600.0
+
+#: Seconds one input send may wait on a full pipe (the engine stopped reading)
+#: before the engine is declared dead (``reason="send_timeout"``). SMG uses 10 s
+#: (its lesson 4: an unbounded send froze the whole client).
+DEFAULT_SEND_TIMEOUT = 10.0
+
+#: Messages queued towards one engine before sends block (``SNDHWM``); with
+#: ``ROUTER_MANDATORY`` a full pipe gives EAGAIN instead of a silent drop.
+DEFAULT_SEND_HWM = 10_000
+
+#: Seconds without any output message, while requests are in flight, after which
+#: the engine is declared dead (``reason="silence"``). SIGKILL or OOM sends no
+#: sentinel and a bound PULL never errors when its PUSH peer vanishes, so
+#: silence is the only signal for an engine we did not spawn. SMG uses 300 s; a
+#: first token can legitimately take long on a cold engine.
+DEFAULT_SILENCE_TIMEOUT = 300.0
+
+#: Consecutive undecodable output messages that mean "schema mismatch or broken
+#: engine" (SMG lesson 16 uses 3).
+DEFAULT_MAX_DECODE_ERRORS = 3
+
+#: Tokens buffered for one stream whose consumer is not reading, before only
+#: that request is failed with ``SlowConsumerError`` and aborted. vLLM's
+#: collector merges without bound; one stuck client must not pin memory.
+DEFAULT_MAX_PENDING_TOKENS = 64 * 1024
+
+#: Seconds a utility call waits for its reply.
+DEFAULT_UTILITY_TIMEOUT = 30.0
+
+#: Output messages drained from the PULL socket before the pump yields to other
+#: tasks (trio_zmq.md section 2.1, case 5: an unbounded drain starves everyone).
+RECV_BATCH_LIMIT = 256
+
+#: Seconds we wait for a spawned engine to exit after SIGTERM before SIGKILL.
+#: vLLM's EngineCore takes 4-5 s to shut its worker down gracefully.
+DEFAULT_TERMINATE_GRACE = 8.0

@@ -1,0 +1,172 @@
+"""Sans-IO model of a vLLM EngineCore scheduler, faithful where clients can tell.
+
+What it reproduces of the real engine (vLLM 0.32, verified facts in
+``vllm_wire.md`` sections 5.4-5.9):
+
+- one ``EngineCoreOutputs`` per step listing every running request that made
+  progress; ``new_token_ids`` are deltas; the first output of a request
+  carries ``prefill_stats``;
+- ``check_stop`` order: ``_eos_token_id`` (STOP, ``stop_reason`` nil), then
+  ``stop_token_ids`` (STOP, ``stop_reason`` = the id), then ``max_tokens`` or
+  ``max_model_len`` (LENGTH); ``min_tokens`` delays the first two; the stop
+  token is included in the output;
+- a client ABORT removes the request and produces **no** output;
+- a duplicate live ``request_id`` or a prompt token id >= ``vocab_size`` is
+  fatal: the engine sends ``ENGINE_CORE_DEAD`` and exits (:class:`FatalEngineError`);
+- utility calls: ``get_supported_tasks`` -> ``["generate"]``, ``is_sleeping``
+  -> ``False``, unknown methods -> ``"Call to <m> method failed: ..."``;
+- shutdown aborts running requests with finish ABORT and ``finished_requests``.
+
+Tokens are deterministic: a function of the prompt, the position and the
+seed, so the same greedy request gives the same ids on every run.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ..wire import vllm as wire
+
+__all__ = ["MockEngineCore", "FatalEngineError", "mock_token"]
+
+
+class FatalEngineError(Exception):
+    """The real engine would send ENGINE_CORE_DEAD and exit on this."""
+
+
+def mock_token(prompt_hash: int, position: int, seed: int, vocab_size: int) -> int:
+    """The mock's token at output *position* (0-based): deterministic, never
+    below 3 so it does not collide with the usual special ids 0-2."""
+    x = (prompt_hash * 1_000_003 + (position + 1) * 7_919 + seed * 104_729) & 0xFFFFFFFF
+    x ^= x >> 13
+    return 3 + x % (vocab_size - 3)
+
+
+@attrs.define(slots=True, eq=False)
+class _Running:
+    request: wire.EngineCoreRequest
+    prompt_hash: int
+    seed: int
+    generated: int = 0
+    first: bool = True
+
+
+class MockEngineCore:
+    """Per-step scheduler state of the mock engine.
+
+    Args:
+        engine_index: DP rank reported in every ``EngineCoreOutputs``.
+        max_model_len: context length (LENGTH finish when reached).
+        vocab_size: prompt token ids must be below it (else fatal).
+        tokens_per_step: new tokens per request per step (1 on a real engine
+            without speculative decoding).
+    """
+
+    def __init__(self, *, engine_index: int = 0, max_model_len: int = 4096, vocab_size: int = 32_000,
+                 tokens_per_step: int = 1) -> None:
+        self.engine_index = engine_index
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.tokens_per_step = tokens_per_step
+        self.running: dict[str, _Running] = {}
+        self.aborts_received: list[str] = []
+        self.requests_received = 0
+
+    def add(self, request: wire.EngineCoreRequest) -> wire.EngineCoreOutput | None:
+        """Admit an ADD. Returns an immediate ERROR output for a request the
+        engine's preprocessing refuses (``max_tokens`` nil), else ``None``.
+
+        Raises:
+            FatalEngineError: duplicate live id, or a token id >= vocab_size.
+        """
+        self.requests_received += 1
+        rid = request.request_id
+        if rid in self.running:
+            raise FatalEngineError(f"AssertionError: duplicate request id {rid}")
+        if any(t >= self.vocab_size for t in request.prompt_token_ids or ()):
+            raise FatalEngineError("IndexError: token id out of range for the embedding table")
+        sp = request.sampling_params
+        if sp is None or sp.max_tokens is None:
+            return wire.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ERROR)
+        prompt = request.prompt_token_ids or ()
+        h = 0
+        for t in prompt:
+            h = (h * 31 + t) & 0xFFFFFFFF
+        self.running[rid] = _Running(request, h, sp.seed if sp.seed is not None else 0)
+        return None
+
+    def abort(self, request_ids: list[str] | tuple[str, ...]) -> None:
+        """Remove requests; unknown ids are ignored; no output is produced."""
+        for rid in request_ids:
+            self.aborts_received.append(rid)
+            self.running.pop(rid, None)
+
+    def step(self) -> list[wire.EngineCoreOutput]:
+        """Advance every running request by ``tokens_per_step`` tokens."""
+        outputs: list[wire.EngineCoreOutput] = []
+        finished: list[str] = []
+        for rid, r in self.running.items():
+            req = r.request
+            sp = req.sampling_params
+            prompt_len = len(req.prompt_token_ids or ())
+            new: list[int] = []
+            finish = None
+            stop_reason = None
+            for _ in range(self.tokens_per_step):
+                tok = mock_token(r.prompt_hash, r.generated, r.seed, self.vocab_size)
+                new.append(tok)
+                r.generated += 1
+                if r.generated > sp.min_tokens:
+                    if sp.eos_token_id is not None and tok == sp.eos_token_id:
+                        finish = wire.FinishReason.STOP
+                        break
+                    if tok in sp.stop_token_ids:
+                        finish, stop_reason = wire.FinishReason.STOP, tok
+                        break
+                if r.generated >= sp.max_tokens or prompt_len + r.generated >= self.max_model_len:
+                    finish = wire.FinishReason.LENGTH
+                    break
+            prefill = None
+            if r.first:
+                r.first = False
+                prefill = {
+                    "num_prompt_tokens": prompt_len,
+                    "num_computed_tokens": prompt_len,
+                    "num_cached_tokens": 0,
+                    "num_local_cached_tokens": 0,
+                    "num_external_cached_tokens": 0,
+                    "num_cache_creation_tokens": 0,
+                }
+            outputs.append(
+                wire.EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=tuple(new),
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    prefill_stats=prefill,
+                )
+            )
+            if finish is not None:
+                finished.append(rid)
+        for rid in finished:
+            del self.running[rid]
+        return outputs
+
+    def abort_all(self) -> list[wire.EngineCoreOutput]:
+        """Shutdown: finish every running request with ABORT."""
+        outs = [
+            wire.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ABORT)
+            for rid in self.running
+        ]
+        self.running.clear()
+        return outs
+
+    def utility(self, method: str, args: tuple) -> tuple[object, str | None]:
+        """Run a utility method: ``(result, failure_message)``."""
+        if method == "get_supported_tasks":
+            return ("generate",), None
+        if method == "is_sleeping":
+            return False, None
+        if method == "reset_prefix_cache":
+            return True, None
+        return None, f"Call to {method} method failed: 'EngineCoreProc' object has no attribute '{method}'"

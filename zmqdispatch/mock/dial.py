@@ -1,0 +1,88 @@
+"""The engine side of vLLM's startup handshake: dial in like an EngineCore does.
+
+Shared by the mock engine program (:mod:`zmqdispatch.mock.server`) and the
+scripted fake engine of the tests (:mod:`zmqdispatch.testing.fake_engine`).
+Sequence (vLLM 0.32 ``EngineCoreProc``, ``vllm_wire.md`` section 5.1):
+
+1. DEALER (identity = engine index, 2 bytes LE) connects to the handshake
+   address and sends ``{"status": "HELLO", "local": ..., "headless": ...}``.
+2. It receives the INIT reply with the input/output addresses.
+3. It connects a DEALER (same identity) to the input address and a PUSH to the
+   output address, sends the ``EngineCoreReadyResponse`` on the input DEALER,
+   then ``READY`` on the handshake DEALER, and closes the handshake socket.
+"""
+
+from __future__ import annotations
+
+import attrs
+import zmq
+
+from .._zmq_trio import TrioSocket, ZmqContext
+from ..wire import vllm as wire
+
+__all__ = ["EngineSockets", "dial"]
+
+
+@attrs.define(eq=False)
+class EngineSockets:
+    """An engine's data-plane sockets after the handshake.
+
+    Attributes:
+        input: DEALER receiving ``[type, payload, *aux]`` from the client.
+        output: PUSH sending ``[payload, *aux]`` (EngineCoreOutputs, sentinel).
+        engine_index: the DP rank this engine announced.
+    """
+
+    input: TrioSocket
+    output: TrioSocket
+    engine_index: int
+
+    def close(self) -> None:
+        """Close both sockets (linger 0)."""
+        self.input.close()
+        self.output.close()
+
+
+async def dial(
+    handshake_address: str,
+    ready: wire.EngineCoreReadyResponse,
+    *,
+    engine_index: int = 0,
+    local: bool = True,
+    headless: bool = False,
+    send_ready_response: bool = True,
+    send_ready: bool = True,
+    input_rcvhwm: int = 0,
+) -> EngineSockets:
+    """Do the engine half of the handshake and return the data-plane sockets.
+
+    ``send_ready_response`` / ``send_ready`` = False script a handshake that
+    never completes (fault injection). ``input_rcvhwm`` is 0 (unbounded) as in
+    vLLM; a small value lets a test make the client's sends block.
+
+    Cancellation: the sockets created so far are closed.
+    """
+    ctx = ZmqContext()
+    identity = engine_index.to_bytes(2, "little")
+    hs = ctx.socket(zmq.DEALER, name="engine-handshake", identity=identity)
+    inp = ctx.socket(zmq.DEALER, name="engine-input", identity=identity, rcvhwm=input_rcvhwm)
+    out = ctx.socket(zmq.PUSH, name="engine-output", sndhwm=0)
+    try:
+        hs.connect(handshake_address)
+        await hs.send([wire.encode_hello(local=local, headless=headless)])
+        (init_payload,) = await hs.recv_multipart()
+        init = wire.decode_init(init_payload)
+        inp.connect(init.inputs[0])
+        out.connect(init.outputs[0])
+        if send_ready_response:
+            await inp.send([wire.encode_ready_response(ready)])
+        if send_ready:
+            await hs.send([wire.encode_ready(local=local, headless=headless)])
+    except BaseException:
+        inp.close()
+        out.close()
+        raise
+    finally:
+        # vLLM's engine lingers 5 s on this socket so READY is not lost.
+        hs.close(linger_ms=5000)
+    return EngineSockets(inp, out, engine_index)

@@ -1,0 +1,154 @@
+"""Validate an ``EngineCoreRequest`` before it is sent (sans-IO).
+
+Why: the real engine does not answer a bad request with an error. A live
+duplicate id or a prompt token id >= the vocabulary size makes the engine send
+``ENGINE_CORE_DEAD`` and exit; a payload that does not decode, or values that
+fail the checks its input thread runs (``top_p`` 0.0, ``max_tokens`` 0, a float
+``top_k``), kill that thread silently and the engine never reads input again
+(``vllm_wire.md`` section 5.8). So every request is checked here against the
+wire schema and vLLM 0.32's own ``SamplingParams`` argument checks, and
+refused with a :class:`~zmqdispatch.errors.RequestRejected` that names the
+field and the limit.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ContextLengthError, RequestRejected
+from ..wire import vllm as wire
+
+__all__ = ["check_request", "check_sampling_params"]
+
+# vLLM's SamplingParams._verify_args bounds (vllm/sampling_params.py, 0.32.0).
+_PENALTY_RANGE = (-2.0, 2.0)
+_INT32_MAX = 2**31 - 1
+
+
+def _reject(rid: str, field: str, message: str) -> RequestRejected:
+    return RequestRejected(f"{field}: {message}", request_id=rid, field=field)
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int  # bool is not a token id / count
+
+
+def _is_num(v: object) -> bool:
+    return (type(v) is float or type(v) is int) and math.isfinite(v)
+
+
+def check_sampling_params(sp: wire.SamplingParams, *, request_id: str = "") -> None:
+    """Apply vLLM's own ``SamplingParams`` checks that the engine enforces.
+
+    Raises:
+        RequestRejected: with ``field`` = ``"sampling_params.<name>"``.
+    """
+    rid = request_id
+
+    def bad(name: str, message: str) -> RequestRejected:
+        return _reject(rid, f"sampling_params.{name}", message)
+
+    if not _is_int(sp.n) or sp.n < 1:
+        raise bad("n", f"must be an int >= 1, got {sp.n!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if not _is_num(v) or not _PENALTY_RANGE[0] <= v <= _PENALTY_RANGE[1]:
+            raise bad(name, f"must be in [-2, 2], got {v!r}")
+    if not _is_num(sp.repetition_penalty) or sp.repetition_penalty <= 0:
+        raise bad("repetition_penalty", f"must be > 0, got {sp.repetition_penalty!r}")
+    if not _is_num(sp.temperature) or sp.temperature < 0:
+        raise bad("temperature", f"must be a finite number >= 0, got {sp.temperature!r}")
+    if not _is_num(sp.top_p) or not 0 < sp.top_p <= 1:
+        raise bad("top_p", f"must be in (0, 1], got {sp.top_p!r} (0.0 kills the engine's input thread)")
+    if not _is_int(sp.top_k) or sp.top_k < -1:
+        raise bad("top_k", f"must be an int, -1 or 0 (disabled) or >= 1, got {sp.top_k!r}")
+    if not _is_num(sp.min_p) or not 0 <= sp.min_p <= 1:
+        raise bad("min_p", f"must be in [0, 1], got {sp.min_p!r}")
+    if sp.max_tokens is None or not _is_int(sp.max_tokens) or sp.max_tokens < 1:
+        raise bad("max_tokens", f"must be an int >= 1, got {sp.max_tokens!r} (0 kills the engine's input thread)")
+    if not _is_int(sp.min_tokens) or sp.min_tokens < 0:
+        raise bad("min_tokens", f"must be an int >= 0, got {sp.min_tokens!r}")
+    if sp.min_tokens > sp.max_tokens:
+        raise bad("min_tokens", f"must be <= max_tokens={sp.max_tokens}, got {sp.min_tokens}")
+    if sp.seed is not None and not _is_int(sp.seed):
+        raise bad("seed", f"must be an int or unset, got {sp.seed!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(sp, name)
+        if v is not None and (not _is_int(v) or v < -1):
+            raise bad(name, f"must be an int >= 0, or -1 for the whole vocabulary, got {v!r}")
+    for name in ("stop_token_ids", "all_stop_token_ids"):
+        ids = getattr(sp, name)
+        if any(not _is_int(t) or t < 0 for t in ids):
+            raise bad(name, f"must be non-negative ints, got {list(ids)!r}")
+    if sp.eos_token_id is not None and (not _is_int(sp.eos_token_id) or sp.eos_token_id < 0):
+        raise bad("eos_token_id", f"must be a non-negative int, got {sp.eos_token_id!r}")
+
+
+def check_request(
+    request: wire.EngineCoreRequest,
+    *,
+    max_model_len: int | None,
+    vocab_size: int | None = None,
+) -> None:
+    """Check one ``EngineCoreRequest`` against the wire schema, vLLM's
+    ``SamplingParams`` checks, the context length and the vocabulary.
+
+    Args:
+        max_model_len: the engine's context length (from its ready response);
+            ``None`` skips the context checks.
+        vocab_size: when known, every prompt and stop token id must be below it
+            (an out-of-range prompt id crashes the real engine).
+
+    Raises:
+        RequestRejected: the first problem found, naming the field.
+        ContextLengthError: ``prompt_len >= max_model_len`` or
+            ``prompt_len + max_tokens > max_model_len``; states both numbers.
+    """
+    rid = request.request_id
+    if type(rid) is not str or not rid:
+        raise _reject("", "request_id", f"must be a non-empty str, got {rid!r}")
+    prompt = request.prompt_token_ids
+    if prompt is None or len(prompt) == 0:
+        raise _reject(rid, "prompt_token_ids", "must be a non-empty list of token ids")
+    for i, t in enumerate(prompt):
+        if not _is_int(t) or t < 0:
+            raise _reject(rid, "prompt_token_ids", f"element {i} must be a non-negative int, got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise _reject(
+                rid,
+                "prompt_token_ids",
+                f"element {i} is {t}, not below vocab_size={vocab_size} (the engine would crash)",
+            )
+    sp = request.sampling_params
+    if sp is None:
+        raise _reject(rid, "sampling_params", "must be set (vLLM fails a generate request without them)")
+    check_sampling_params(sp, request_id=rid)
+    if vocab_size is not None:
+        for name in ("stop_token_ids", "all_stop_token_ids"):
+            for t in getattr(sp, name):
+                if t >= vocab_size:
+                    raise _reject(rid, f"sampling_params.{name}", f"token id {t} is not below vocab_size={vocab_size}")
+    if request.data_parallel_rank is not None and (
+        not _is_int(request.data_parallel_rank) or request.data_parallel_rank < 0
+    ):
+        raise _reject(rid, "data_parallel_rank", f"must be a non-negative int, got {request.data_parallel_rank!r}")
+    if max_model_len is not None:
+        n = len(prompt)
+        if n >= max_model_len:
+            raise ContextLengthError(
+                f"prompt_token_ids: prompt of {n} tokens does not fit max_model_len={max_model_len} "
+                "(at least one token must be generated)",
+                request_id=rid,
+                prompt_len=n,
+                max_tokens=None,
+                max_model_len=max_model_len,
+            )
+        if n + sp.max_tokens > max_model_len:
+            raise ContextLengthError(
+                f"sampling_params.max_tokens: prompt of {n} tokens + max_tokens={sp.max_tokens} "
+                f"exceeds max_model_len={max_model_len}",
+                request_id=rid,
+                prompt_len=n,
+                max_tokens=sp.max_tokens,
+                max_model_len=max_model_len,
+            )

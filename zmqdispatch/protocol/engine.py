@@ -1,0 +1,419 @@
+"""Sans-IO state of one vLLM engine link: request table, outbox, aborts, death.
+
+:class:`EngineProtocol` never touches zmq or trio. The I/O shell
+(:mod:`zmqdispatch.client`) feeds it received frames and carries out what it
+queues; every state transition is a synchronous method call, so the rules
+below are testable in microseconds without sockets:
+
+- **Admission.** :meth:`submit` refuses a live duplicate ``request_id`` (the
+  real engine asserts and dies on one) and anything after death.
+- **Routing.** :meth:`frames_received` decodes one output message and routes
+  each ``EngineCoreOutput`` to its :class:`~.mailbox.Mailbox` without waiting;
+  terminal outputs, ids in ``finished_requests`` and slow consumers retire
+  their entry. Outputs for unknown ids (normal after an abort) are counted and
+  dropped.
+- **Aborts** are synchronous and idempotent (:meth:`abort`): an ADD still in
+  the outbox is simply never sent; an ADD already handed to the socket gets
+  its id added to one batched ABORT frame, which always follows that ADD.
+  vLLM sends no final output after a client ABORT, so the entry is retired
+  locally at once.
+- **Death** (:meth:`engine_died`): the ``ENGINE_CORE_DEAD`` sentinel, a streak
+  of undecodable messages, or a fact the shell observed (process exit,
+  EHOSTUNREACH, send timeout, silence). Every open stream and utility call
+  fails with one typed :class:`~zmqdispatch.errors.EngineDeadError`; new
+  requests are refused with it; pending aborts are dropped (the engine is gone).
+
+Wire format: vLLM 0.32.0 / 0.33.0 EngineCore over ZMQ (``vllm_wire.md`` section 5).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from .. import limits
+from ..errors import DuplicateRequestIdError, EngineDeadError, RemoteProtocolError, UtilityCallError
+from ..wire import vllm as wire
+from .mailbox import PUT_MORE, PUT_OVERFLOW, Mailbox
+
+__all__ = ["EngineProtocol", "Outgoing", "SendState", "PendingUtilityCall", "LinkState"]
+
+_ADD = bytes([wire.RequestType.ADD])
+_ABORT = bytes([wire.RequestType.ABORT])
+_UTILITY = bytes([wire.RequestType.UTILITY])
+
+
+class LinkState(enum.Enum):
+    """Lifecycle of an engine link after the handshake."""
+
+    READY = "READY"
+    DEAD = "DEAD"
+
+
+class SendState(enum.Enum):
+    """Where an outgoing message is."""
+
+    QUEUED = "queued"  # in the outbox
+    SENDING = "sending"  # taken by the input pump, may be on the wire
+    SENT = "sent"  # accepted by the socket
+    CANCELLED = "cancelled"  # dropped before it was sent (aborted ADD)
+    FAILED = "failed"  # the engine died first
+
+
+@attrs.define(slots=True, eq=False)
+class Outgoing:
+    """One multipart message for the input ROUTER: ``[identity, type, payload, *aux]``.
+
+    ``waiter`` (set by the shell) is called once when ``state`` leaves
+    QUEUED/SENDING.
+    """
+
+    frames: list[bytes]
+    request_id: str | None = None
+    state: SendState = SendState.QUEUED
+    waiter: Callable[[], None] | None = None
+
+    def _settle(self, state: SendState) -> None:
+        self.state = state
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            w()
+
+
+@attrs.define(slots=True, eq=False)
+class PendingUtilityCall:
+    """A pending utility call; ``done`` flips once, then ``result`` or ``error`` is set."""
+
+    call_id: int
+    method: str
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+    waiter: Callable[[], None] | None = None
+
+    def _settle(self) -> None:
+        self.done = True
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            w()
+
+
+@attrs.define(slots=True, eq=False)
+class _Entry:
+    mailbox: Mailbox
+    add: Outgoing
+
+
+class EngineProtocol:
+    """Pure per-engine state. One instance per handshaken engine.
+
+    Args:
+        engine_index: the engine's DP rank (its identity's integer value).
+        identity: the engine's ZMQ routing identity (2 bytes little-endian).
+        max_pending_tokens: per-stream backlog bound (see :class:`Mailbox`).
+        max_decode_errors: consecutive undecodable messages that mean death.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine_index: int = 0,
+        identity: bytes = b"\x00\x00",
+        max_pending_tokens: int = limits.DEFAULT_MAX_PENDING_TOKENS,
+        max_decode_errors: int = limits.DEFAULT_MAX_DECODE_ERRORS,
+    ) -> None:
+        self.engine_index = engine_index
+        self.identity = identity
+        self.max_pending_tokens = max_pending_tokens
+        self.max_decode_errors = max_decode_errors
+        self.state = LinkState.READY
+        self.death: EngineDeadError | None = None
+        self._requests: dict[str, _Entry] = {}
+        self._outbox: deque[Outgoing] = deque()
+        self._pending_aborts: dict[str, None] = {}
+        self._utility: dict[int, PendingUtilityCall] = {}
+        self._call_ids = itertools.count(1)
+        #: called (by us) whenever there is something new to send; set by the shell.
+        self.send_waiter: Callable[[], None] | None = None
+        #: called once when the link dies; set by the shell.
+        self.on_death: Callable[[EngineDeadError], None] | None = None
+        # counters (observability; read-only for callers)
+        self.unknown_outputs = 0
+        self.decode_errors = 0
+        self.decode_error_streak = 0
+        self.messages_received = 0
+        self.aborts_sent = 0
+        self.last_decode_error: RemoteProtocolError | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<EngineProtocol engine={self.engine_index} {self.state.value}"
+            f" inflight={len(self._requests)} dead={self.state is LinkState.DEAD}>"
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def inflight(self) -> int:
+        """Number of live requests (ADD queued or sent, no terminal output yet)."""
+        return len(self._requests)
+
+    @property
+    def pending_utility_calls(self) -> int:
+        """Utility calls awaiting a reply."""
+        return len(self._utility)
+
+    def is_live(self, request_id: str) -> bool:
+        """True while *request_id* is registered on this link."""
+        return request_id in self._requests
+
+    @property
+    def wants_send(self) -> bool:
+        """True when :meth:`pop_send` would return a message."""
+        return bool(self._outbox) or bool(self._pending_aborts)
+
+    # ------------------------------------------------------------------ submit / abort
+
+    def check_alive(self) -> None:
+        """Raise a fresh :class:`EngineDeadError` if the engine is dead."""
+        if self.death is not None:
+            d = self.death
+            raise EngineDeadError(str(d), engine_index=d.engine_index, reason=d.reason)
+
+    def submit(self, request: wire.EngineCoreRequest, mailbox: Mailbox | None = None) -> tuple[Mailbox, Outgoing]:
+        """Register *request* and queue its ADD.
+
+        The caller must have validated the request (:mod:`.checks`).
+
+        Returns:
+            the request's mailbox and its queued ADD message.
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            DuplicateRequestIdError: the id is live on this link.
+            LocalProtocolError: the request cannot be encoded.
+        """
+        self.check_alive()
+        rid = request.request_id
+        if rid in self._requests:
+            raise DuplicateRequestIdError(
+                f"request_id {rid!r} is already live on engine {self.engine_index}; "
+                "vLLM's scheduler would abort the whole engine on a duplicate",
+                request_id=rid,
+                field="request_id",
+            )
+        frames = wire.encode_request(request)
+        out = Outgoing([self.identity, _ADD, *frames], rid)
+        mb = mailbox if mailbox is not None else Mailbox(rid, self.max_pending_tokens)
+        self._requests[rid] = _Entry(mb, out)
+        self._outbox.append(out)
+        self._wake_sender()
+        return mb, out
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Retire live requests and make sure the engine stops them.
+
+        Synchronous, idempotent, never raises: unknown or finished ids are
+        ignored. Safe to call from a cancelled task's cleanup.
+        """
+        woke = False
+        for rid in request_ids:
+            entry = self._requests.pop(rid, None)
+            if entry is None:
+                continue
+            entry.mailbox.finished = True
+            if entry.add.state is SendState.QUEUED:
+                entry.add._settle(SendState.CANCELLED)  # never reaches the engine
+            elif self.state is LinkState.READY:
+                self._pending_aborts[rid] = None
+                woke = True
+        if woke:
+            self._wake_sender()
+
+    def abort_mailbox(self, mailbox: Mailbox) -> None:
+        """Abort the request that owns *mailbox*, if it is still live.
+
+        Unlike :meth:`abort` by id, a stream that outlived its request can
+        never abort a newer request that reuses the id.
+        """
+        entry = self._requests.get(mailbox.request_id)
+        if entry is not None and entry.mailbox is mailbox:
+            self.abort((mailbox.request_id,))
+
+    def _wake_sender(self) -> None:
+        w = self.send_waiter
+        if w is not None:
+            self.send_waiter = None
+            w()
+
+    # ------------------------------------------------------------------ outbound
+
+    def pop_send(self) -> Outgoing | None:
+        """Next message for the input ROUTER, or ``None``.
+
+        ADDs go out in submission order; pending aborts follow as one batched
+        ABORT frame (an aborted id whose ADD was never sent is not in it).
+        The returned message is in state SENDING until :meth:`send_done` /
+        :meth:`engine_died`.
+        """
+        while self._outbox:
+            out = self._outbox.popleft()
+            if out.state is SendState.QUEUED:
+                out.state = SendState.SENDING
+                return out
+        if self._pending_aborts:
+            ids = list(self._pending_aborts)
+            self._pending_aborts.clear()
+            self.aborts_sent += len(ids)
+            return Outgoing([self.identity, _ABORT, wire.encode_abort(ids)], state=SendState.SENDING)
+        return None
+
+    def send_done(self, out: Outgoing) -> None:
+        """The socket accepted *out*."""
+        out._settle(SendState.SENT)
+
+    @property
+    def pending_abort_ids(self) -> list[str]:
+        """Ids waiting to be sent in the next ABORT frame."""
+        return list(self._pending_aborts)
+
+    # ------------------------------------------------------------------ utility calls
+
+    def start_utility(self, method: str, args: Iterable[Any] = (), *, client_index: int = 0) -> PendingUtilityCall:
+        """Queue a UTILITY call ``[client_index, call_id, method, args]``.
+
+        Raises:
+            EngineDeadError: the engine is dead.
+        """
+        self.check_alive()
+        call = PendingUtilityCall(next(self._call_ids), method)
+        payload = wire.encode_utility_call(client_index, call.call_id, method, list(args))
+        self._utility[call.call_id] = call
+        self._outbox.append(Outgoing([self.identity, _UTILITY, payload]))
+        self._wake_sender()
+        return call
+
+    def forget_utility(self, call: PendingUtilityCall) -> None:
+        """Stop waiting for *call* (timeout or cancellation); a late reply is dropped."""
+        self._utility.pop(call.call_id, None)
+
+    # ------------------------------------------------------------------ inbound
+
+    def frames_received(self, frames: list[bytes]) -> None:
+        """Route one message from the output PULL socket. Never raises.
+
+        Undecodable messages are counted; ``max_decode_errors`` in a row kill
+        the link. The sentinel kills it at once.
+        """
+        if self.state is LinkState.DEAD:
+            return
+        self.messages_received += 1
+        if wire.is_dead_sentinel(frames):
+            self.engine_died(
+                EngineDeadError(
+                    f"engine {self.engine_index} sent ENGINE_CORE_DEAD (fatal engine error; see engine logs)",
+                    engine_index=self.engine_index,
+                    reason="sentinel",
+                )
+            )
+            return
+        try:
+            msg = wire.decode_outputs(frames)
+            self._route(msg, frames)
+        except RemoteProtocolError as exc:
+            self.decode_errors += 1
+            self.decode_error_streak += 1
+            self.last_decode_error = exc
+            if self.decode_error_streak >= self.max_decode_errors:
+                self.engine_died(
+                    EngineDeadError(
+                        f"engine {self.engine_index}: {self.decode_error_streak} undecodable output "
+                        f"messages in a row (last: {exc})",
+                        engine_index=self.engine_index,
+                        reason="decode_errors",
+                    )
+                )
+            return
+        self.decode_error_streak = 0
+
+    def _route(self, msg: wire.EngineCoreOutputs, frames: list[bytes]) -> None:
+        requests = self._requests
+        ts = msg.timestamp
+        to_abort: list[str] | None = None
+        for row in msg.outputs:
+            rid = row[0]
+            entry = requests.get(rid)
+            if entry is None:
+                self.unknown_outputs += 1
+                continue
+            try:
+                status = entry.mailbox.put(row, frames, ts)
+            except RemoteProtocolError as exc:
+                # This request's logprobs do not decode: fail it alone.
+                entry.mailbox.fail(exc)
+                del requests[rid]
+                (to_abort := to_abort or []).append(rid)
+                continue
+            if status != PUT_MORE:
+                del requests[rid]
+                if status == PUT_OVERFLOW:
+                    (to_abort := to_abort or []).append(rid)
+        if msg.finished_requests:
+            # Engine-generated finishes may list ids without a terminal row
+            # (SMG lesson 11b: retire the union of both).
+            for rid in msg.finished_requests:
+                entry = requests.pop(rid, None)
+                if entry is not None:
+                    entry.mailbox.finish(wire.FinishReason.ABORT)
+        if to_abort:
+            for rid in to_abort:
+                self._pending_aborts[rid] = None
+            self._wake_sender()
+        uo = msg.utility_output
+        if uo is not None:
+            call = self._utility.pop(uo.call_id, None)
+            if call is not None:
+                if uo.failure_message is not None:
+                    call.error = UtilityCallError(
+                        f"utility call {call.method!r} failed on engine {self.engine_index}: {uo.failure_message}",
+                        engine_index=self.engine_index,
+                    )
+                else:
+                    call.result = None if uo.result is None else uo.result.value
+                call._settle()
+
+    # ------------------------------------------------------------------ death
+
+    def engine_died(self, exc: EngineDeadError) -> None:
+        """Mark the link dead and fail everything open with *exc*. Idempotent:
+        the first cause wins."""
+        if self.state is LinkState.DEAD:
+            return
+        self.state = LinkState.DEAD
+        self.death = exc
+        requests = self._requests
+        self._requests = {}
+        for rid, entry in requests.items():
+            entry.mailbox.fail(EngineDeadError(str(exc), engine_index=exc.engine_index, reason=exc.reason))
+            if entry.add.state in (SendState.QUEUED, SendState.SENDING):
+                entry.add._settle(SendState.FAILED)
+        for out in self._outbox:
+            if out.state is SendState.QUEUED:
+                out._settle(SendState.FAILED)
+        self._outbox.clear()
+        self._pending_aborts.clear()
+        calls = self._utility
+        self._utility = {}
+        for call in calls.values():
+            call.error = EngineDeadError(str(exc), engine_index=exc.engine_index, reason=exc.reason)
+            call._settle()
+        self._wake_sender()
+        if self.on_death is not None:
+            self.on_death(exc)

@@ -1,0 +1,258 @@
+"""Per-request coalescing mailbox: the router's side never waits (sans-IO).
+
+The output router calls :meth:`Mailbox.put` synchronously for every engine
+output of this request. When the consumer keeps up, every tick becomes one
+:class:`OutputDelta`; when it lags, the queued ticks merge into the one pending
+delta (token ids concatenated, logprob rows appended, the newest prefill
+stats kept), so delivery cost stays O(new data) and the router never blocks on
+a slow consumer (the idea of vLLM's ``RequestOutputCollector``; trio_zmq.md
+rule 4, known failures K4/K5).
+
+Bound: a consumer that lets more than ``max_pending_tokens`` tokens pile up is
+failed with :class:`~zmqdispatch.errors.SlowConsumerError` (only that request;
+the protocol then aborts it on the engine).
+
+Ordering guarantees: merging never crosses a finish boundary (a terminal tick is
+always the last thing in a mailbox), and an error is delivered *after* any
+tokens that arrived before it, except for ``SlowConsumerError`` which drops
+the backlog it complains about.
+
+Wake-ups: the mailbox holds an opaque ``waiter`` callable set by the I/O shell
+while a consumer is parked; ``put`` / ``fail`` call it once. No trio import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from ..errors import EngineRequestError, SlowConsumerError
+from ..wire import vllm as wire
+
+__all__ = ["OutputDelta", "Mailbox", "PUT_MORE", "PUT_FINISHED", "PUT_OVERFLOW"]
+
+#: :meth:`Mailbox.put` results.
+PUT_MORE = 0  # the request is still running
+PUT_FINISHED = 1  # this output was terminal: retire the request
+PUT_OVERFLOW = 2  # the consumer fell behind the bound: retire and abort
+
+_O_TOKENS = wire.O_NEW_TOKEN_IDS
+_O_LOGPROBS = wire.O_NEW_LOGPROBS
+_O_PROMPT_LOGPROBS = wire.O_NEW_PROMPT_LOGPROBS
+_O_FINISH = wire.O_FINISH_REASON
+_O_STOP = wire.O_STOP_REASON
+_O_PREFILL = wire.O_PREFILL_STATS
+_ERROR = int(wire.FinishReason.ERROR)
+_FINISH_REASONS = tuple(wire.FinishReason)
+
+
+@attrs.define(slots=True, eq=False)
+class OutputDelta:
+    """What the engine produced for one request since the consumer last took.
+
+    Attributes:
+        request_id: the engine-side request id.
+        token_ids: new token ids, in order (a delta, never cumulative).
+        finish_reason: set on the last delta of a stream, else ``None``.
+            ``FinishReason.ERROR`` never appears here: it is raised as
+            :class:`~zmqdispatch.errors.EngineRequestError`.
+        stop_reason: the matched stop token id (int) or string, from the
+            engine's ``EngineCoreOutput.stop_reason``; ``None`` for EOS,
+            length, abort.
+        logprobs: sample logprobs, one row per entry of ``token_ids`` (only when
+            the request asked for logprobs); each row is ``K+1`` columns with
+            column 0 the sampled token.
+        prompt_logprobs: prompt logprobs, one row per prompt position after the
+            first (only when requested; may arrive over several deltas with
+            chunked prefill).
+        num_prompt_tokens / num_cached_tokens: from the engine's
+            ``prefill_stats`` (first output of a request), else ``None``.
+        ticks: engine outputs merged into this delta (1 when the consumer keeps up).
+        engine_timestamp: ``EngineCoreOutputs.timestamp`` of the newest merged
+            output: the engine's ``time.monotonic()``, comparable on one host.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: wire.FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: wire.LogprobsLists | None = None
+    prompt_logprobs: wire.LogprobsLists | None = None
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    ticks: int = 1
+    engine_timestamp: float = 0.0
+
+
+def _extend_lists(acc: wire.LogprobsLists | None, new: wire.LogprobsLists) -> wire.LogprobsLists:
+    if acc is None:
+        return new
+    acc.token_ids.extend(new.token_ids)
+    acc.logprobs.extend(new.logprobs)
+    acc.ranks.extend(new.ranks)
+    return acc
+
+
+class Mailbox:
+    """The single slot between the output router and one request's consumer.
+
+    Not thread-safe and not task-safe by itself: the router (one task) puts,
+    one consumer takes; the I/O shell parks the consumer via ``waiter``.
+    """
+
+    __slots__ = (
+        "request_id",
+        "max_pending_tokens",
+        "pending",
+        "pending_tokens",
+        "error",
+        "finished",
+        "waiter",
+    )
+
+    def __init__(self, request_id: str, max_pending_tokens: int) -> None:
+        self.request_id = request_id
+        self.max_pending_tokens = max_pending_tokens
+        self.pending: OutputDelta | None = None
+        self.pending_tokens = 0
+        self.error: BaseException | None = None
+        #: True once a terminal output or an error was put: nothing more comes.
+        self.finished = False
+        self.waiter: Callable[[], None] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Mailbox {self.request_id!r} pending_tokens={self.pending_tokens}"
+            f" finished={self.finished} error={type(self.error).__name__ if self.error else None}>"
+        )
+
+    # ------------------------------------------------------------ router side
+
+    def put(self, row: tuple[Any, ...], frames: Any, timestamp: float) -> int:
+        """Merge one decoded ``EngineCoreOutput`` row into the pending delta.
+
+        Args:
+            row: the raw output row from :func:`zmqdispatch.wire.vllm.decode_outputs`.
+            frames: the message's frames (aux tensors are resolved from them).
+            timestamp: the message's ``EngineCoreOutputs.timestamp``.
+
+        Returns:
+            ``PUT_MORE``, ``PUT_FINISHED`` or ``PUT_OVERFLOW`` (see module doc).
+
+        Raises:
+            RemoteProtocolError: a logprobs tensor in the row does not decode.
+        """
+        if self.finished:
+            return PUT_FINISHED
+        tokens = row[_O_TOKENS]
+        finish = row[_O_FINISH]
+        if finish == _ERROR:
+            self._put_engine_error(row)
+            return PUT_FINISHED
+        d = self.pending
+        if d is None:
+            d = self.pending = OutputDelta(self.request_id, list(tokens), engine_timestamp=timestamp)
+        else:
+            d.token_ids += tokens
+            d.ticks += 1
+            d.engine_timestamp = timestamp
+        self.pending_tokens += len(tokens)
+        lp = row[_O_LOGPROBS]
+        if lp is not None:
+            d.logprobs = _extend_lists(d.logprobs, wire.decode_logprobs_lists(lp, frames))
+        plp = row[_O_PROMPT_LOGPROBS]
+        if plp is not None:
+            d.prompt_logprobs = _extend_lists(d.prompt_logprobs, wire.decode_logprobs_tensors(plp, frames))
+        stats = row[_O_PREFILL]
+        if stats is not None:
+            d.num_prompt_tokens = stats.get("num_prompt_tokens", d.num_prompt_tokens)
+            d.num_cached_tokens = stats.get("num_cached_tokens", d.num_cached_tokens)
+        if finish is not None:
+            d.finish_reason = _FINISH_REASONS[finish]
+            d.stop_reason = row[_O_STOP]
+            self.finished = True
+            self._wake()
+            return PUT_FINISHED
+        if self.pending_tokens > self.max_pending_tokens:
+            self.fail(
+                SlowConsumerError(
+                    f"request {self.request_id!r}: consumer fell {self.pending_tokens} tokens behind"
+                    f" (limit max_pending_tokens={self.max_pending_tokens}); request aborted",
+                    request_id=self.request_id,
+                    pending_tokens=self.pending_tokens,
+                    limit=self.max_pending_tokens,
+                ),
+                drop_pending=True,
+            )
+            return PUT_OVERFLOW
+        self._wake()
+        return PUT_MORE
+
+    def finish(self, reason: wire.FinishReason) -> None:
+        """Terminate the stream with *reason* and no new tokens (engine-side
+        abort listed only in ``finished_requests``)."""
+        if self.finished:
+            return
+        d = self.pending
+        if d is None:
+            d = self.pending = OutputDelta(self.request_id, [])
+        d.finish_reason = reason
+        self.finished = True
+        self._wake()
+
+    def fail(self, exc: BaseException, *, drop_pending: bool = False) -> None:
+        """Terminate the stream with *exc*, raised after any pending tokens
+        (or instead of them with ``drop_pending``). The first error wins."""
+        if self.error is not None or (self.finished and not drop_pending):
+            return  # a terminal output (or an earlier error) already ended the stream
+        if drop_pending:
+            self.pending = None
+            self.pending_tokens = 0
+        self.error = exc
+        self.finished = True
+        self._wake()
+
+    def _put_engine_error(self, row: tuple[Any, ...]) -> None:
+        code = retryable = None
+        message = "engine finished the request with an error (see engine logs)"
+        err = row[wire.O_ERROR] if len(row) > wire.O_ERROR else None
+        if isinstance(err, dict):
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+            retryable = err.get("retryable") if isinstance(err.get("retryable"), bool) else None
+            if isinstance(err.get("message"), str):
+                message = f"engine error {code or ''}: {err['message']}".replace("  ", " ")
+        self.fail(
+            EngineRequestError(
+                f"request {self.request_id!r}: {message}",
+                request_id=self.request_id,
+                code=code,
+                retryable=retryable,
+            )
+        )
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            w()
+
+    # ------------------------------------------------------------ consumer side
+
+    def take(self) -> OutputDelta | None:
+        """Take the pending delta, or ``None`` if nothing is ready and the
+        stream is not finished.
+
+        Raises:
+            the stored error once no delta is pending (``EngineDeadError``,
+            ``EngineRequestError``, ``SlowConsumerError``, ...).
+        """
+        d = self.pending
+        if d is not None:
+            self.pending = None
+            self.pending_tokens = 0
+            return d
+        if self.error is not None:
+            raise self.error
+        return None

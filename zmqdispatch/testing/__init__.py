@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package: a scripted fake engine over real sockets."""

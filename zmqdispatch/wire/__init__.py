@@ -1,0 +1,1 @@
+"""Sans-IO wire codecs (frames <-> typed messages); no sockets, no trio."""
