@@ -14,7 +14,7 @@ wire; ``_zmq_trio`` the only module that calls pyzmq; ``client`` the trio
 shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
 """
 
-from .client import ClientConfig, EngineClient, RequestStream, connect
+from .client import ClientConfig, EngineClient, EngineSession, RequestStream, connect
 from .errors import (
     ContextLengthError,
     DuplicateRequestIdError,
@@ -38,6 +38,7 @@ from .protocol.mailbox import OutputDelta
 __all__ = [
     "ClientConfig",
     "EngineClient",
+    "EngineSession",
     "RequestStream",
     "OutputDelta",
     "connect",

@@ -55,7 +55,7 @@ from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
 from .protocol.mailbox import Mailbox, OutputDelta
 from .wire import vllm as wire
 
-__all__ = ["ClientConfig", "EngineClient", "RequestStream", "connect"]
+__all__ = ["ClientConfig", "EngineClient", "EngineSession", "RequestStream", "connect"]
 
 
 @attrs.frozen(kw_only=True)
@@ -96,6 +96,24 @@ class ClientConfig:
     output_address: str | None = None
     terminate_grace: float = limits.DEFAULT_TERMINATE_GRACE
     death_on_disconnect: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class EngineSession:
+    """What a client needs to re-attach to an engine without a new handshake.
+
+    vLLM's engine handshakes once, then keeps dialing the input/output
+    addresses it was given: a client that re-binds the same addresses gets the
+    engine back (its DEALER and PUSH reconnect on their own; outputs queued
+    meanwhile are delivered and dropped as unknown ids). ``vllm_headless.md``
+    section 6. Only sessions with explicitly configured
+    ``input_address`` / ``output_address`` can be resumed.
+    """
+
+    identity: bytes
+    ready: wire.EngineCoreReadyResponse
+    input_address: str
+    output_address: str
 
 
 async def _park(obj: Any) -> None:
@@ -259,6 +277,8 @@ class EngineClient:
         self._output = output_sock
         self._process = process
         self._monitor = monitor_sock
+        self._bound_input = ""
+        self._bound_output = ""
         self._last_activity = trio.current_time()
         self._closing = False
         self._dead = trio.Event()
@@ -284,6 +304,20 @@ class EngineClient:
     def is_alive(self) -> bool:
         """False once the engine is known dead or the client closed (latched)."""
         return self._protocol.state is LinkState.READY
+
+    @property
+    def session(self) -> EngineSession | None:
+        """An :class:`EngineSession` for :func:`connect` ``resume=``, or ``None``
+        when the data-plane addresses were private (removed on close)."""
+        c = self.config
+        if c.input_address is None or c.output_address is None:
+            return None
+        return EngineSession(
+            identity=self._protocol.identity,
+            ready=self.ready,
+            input_address=self._bound_input,
+            output_address=self._bound_output,
+        )
 
     @property
     def death(self) -> EngineDeadError | None:
@@ -610,6 +644,20 @@ async def _handshake(
     return result["identity"], result["ready"]
 
 
+async def _await_reconnect(monitor: TrioSocket | None, timeout: float) -> None:
+    assert monitor is not None
+    try:
+        with trio.fail_after(timeout):
+            while True:
+                event, _ = parse_monitor_event(await monitor.recv_multipart())
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
+    except trio.TooSlowError:
+        raise EngineHandshakeTimeout(
+            f"the engine did not reconnect to the input socket within {timeout} s", stage="reconnect"
+        ) from None
+
+
 @asynccontextmanager
 async def connect(
     handshake_address: str | None = None,
@@ -617,6 +665,7 @@ async def connect(
     launch: str | Sequence[str] | None = None,
     config: ClientConfig | None = None,
     launch_stdout: int | None = None,
+    resume: EngineSession | None = None,
 ) -> AsyncIterator[EngineClient]:
     """Bind the three sockets, handshake one vLLM EngineCore, and serve it.
 
@@ -632,6 +681,10 @@ async def connect(
             ``terminate_grace``) when the block exits or the handshake fails.
         config: :class:`ClientConfig`.
         launch_stdout: fd for the launched engine's stdout (default: our stderr).
+        resume: re-attach to an already handshaken engine (see
+            :class:`EngineSession`): bind its input/output addresses, skip the
+            handshake, and wait (up to ``handshake_timeout``) until the engine
+            has reconnected.
 
     Yields:
         a ready :class:`EngineClient`.
@@ -662,28 +715,40 @@ async def connect(
     client: EngineClient | None = None
     monitor: TrioSocket | None = None
     try:
-        input_address = inp.bind(config.input_address or ipc("input.sock"))
-        output_address = out.bind(config.output_address or ipc("output.sock"))
-        hs_address = hs.bind(handshake_address or ipc("handshake.sock"))
-        if launch is not None:
-            argv = _format_launch(launch, hs_address)
-            try:
-                process = await trio.lowlevel.open_process(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=launch_stdout if launch_stdout is not None else sys.stderr.fileno(),
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
-        identity, ready = await _handshake(
-            hs,
-            inp,
-            input_address=input_address,
-            output_address=output_address,
-            timeout=config.handshake_timeout,
-            process=process,
-        )
+        if config.death_on_disconnect or resume is not None:
+            # Created before bind so no event is missed; the watch task acts
+            # on DISCONNECTED only.
+            monitor = inp.monitor(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED, name="input-monitor")
+        if resume is not None:
+            if launch is not None or handshake_address is not None:
+                raise ValueError("resume= re-attaches to a running engine: no launch or handshake address")
+            input_address = inp.bind(resume.input_address)
+            output_address = out.bind(resume.output_address)
+            await _await_reconnect(monitor, config.handshake_timeout)
+            identity, ready = resume.identity, resume.ready
+        else:
+            input_address = inp.bind(config.input_address or ipc("input.sock"))
+            output_address = out.bind(config.output_address or ipc("output.sock"))
+            hs_address = hs.bind(handshake_address or ipc("handshake.sock"))
+            if launch is not None:
+                argv = _format_launch(launch, hs_address)
+                try:
+                    process = await trio.lowlevel.open_process(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=launch_stdout if launch_stdout is not None else sys.stderr.fileno(),
+                        start_new_session=True,
+                    )
+                except OSError as exc:
+                    raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+            identity, ready = await _handshake(
+                hs,
+                inp,
+                input_address=input_address,
+                output_address=output_address,
+                timeout=config.handshake_timeout,
+                process=process,
+            )
         hs.close()
         engine_index = int.from_bytes(identity, "little") if len(identity) == 2 else 0
         protocol = EngineProtocol(
@@ -692,8 +757,10 @@ async def connect(
             max_pending_tokens=config.max_pending_tokens,
             max_decode_errors=config.max_decode_errors,
         )
-        if config.death_on_disconnect:
-            monitor = inp.monitor(zmq.EVENT_DISCONNECTED, name="input-monitor")
+        if not config.death_on_disconnect and monitor is not None:
+            inp.disable_monitor()
+            monitor.close()
+            monitor = None
         client = EngineClient(
             protocol=protocol,
             ready=ready,
@@ -703,6 +770,7 @@ async def connect(
             process=process,
             monitor_sock=monitor,
         )
+        client._bound_input, client._bound_output = input_address, output_address
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._output_pump)

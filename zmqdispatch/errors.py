@@ -184,7 +184,8 @@ class EngineHandshakeTimeout(EngineHandshakeError, TimeoutError):
     """The handshake did not complete within ``ClientConfig.handshake_timeout``.
 
     Attributes:
-        stage: ``"HELLO"``, ``"READY"`` or ``"input_registration"``.
+        stage: ``"HELLO"``, ``"READY"``, ``"input_registration"`` or
+            ``"reconnect"`` (a resumed session whose engine did not come back).
     """
 
     def __init__(self, message: str, *, engine_index: int | None = None, stage: str) -> None:

@@ -282,3 +282,49 @@ async def test_utility_calls_reply_fail_and_time_out():
             with pytest.raises(UtilityCallTimeout):
                 await client.call_utility("is_sleeping", timeout=0.05)
             assert client.protocol.pending_utility_calls == 0
+
+
+async def test_a_new_client_resumes_a_running_engine_without_a_handshake(tmp_path):
+    import zmqdispatch
+    from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
+
+    addr = f"ipc://{tmp_path}/hs.sock"
+    cfg = zmqdispatch.ClientConfig(input_address=f"ipc://{tmp_path}/in.sock", output_address=f"ipc://{tmp_path}/out.sock")
+    engine = FakeEngine(addr, ready=default_ready(77))
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as n:
+            n.start_soon(engine.run_handshake)
+            async with zmqdispatch.connect(addr, config=cfg) as client:
+                await engine.handshake_done.wait()
+                session = client.session
+        assert session is not None and session.ready.max_model_len == 77
+        async with zmqdispatch.connect(config=cfg, resume=session) as client2:
+            assert client2.max_model_len == 77
+            async with client2.generate(make_request("again")) as s:
+                assert (await engine.receive_add()).request_id == "again"
+                await engine.send_tokens("again", [1], finish=wire.FinishReason.STOP)
+                assert (await s.receive()).token_ids == [1]
+        engine.close()
+
+
+async def test_resume_fails_with_a_typed_timeout_when_no_engine_comes_back(tmp_path):
+    import zmqdispatch
+    from zmqdispatch.testing.fake_engine import default_ready
+
+    session = zmqdispatch.EngineSession(identity=b"\x00\x00", ready=default_ready(), input_address=f"ipc://{tmp_path}/i",
+                                        output_address=f"ipc://{tmp_path}/o")
+    with pytest.raises(zmqdispatch.EngineHandshakeTimeout) as ei:
+        async with zmqdispatch.connect(resume=session, config=zmqdispatch.ClientConfig(handshake_timeout=0.2)):
+            pass  # pragma: no cover
+    assert ei.value.stage == "reconnect"
+
+
+async def test_an_error_in_the_client_block_surfaces_unwrapped():
+    import sys
+
+    import zmqdispatch
+
+    launch = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}"]
+    with pytest.raises(KeyError, match="mine"):
+        async with zmqdispatch.connect(launch=launch, config=zmqdispatch.ClientConfig(handshake_timeout=60)):
+            raise KeyError("mine")

@@ -97,6 +97,17 @@ def test_abort_while_add_is_being_sent_follows_the_add():
     assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("r1",))]
 
 
+def test_abort_then_resubmit_of_the_same_id_sends_the_abort_first():
+    # Found on the real engine: ADD(r1) ABORT(r1) ADD(r1) must not become
+    # ADD ADD ABORT, or the ABORT kills the new request.
+    p = EngineProtocol()
+    p.submit(make_request("r1"))
+    sent(p)
+    p.abort(["r1"])
+    p.submit(make_request("r1"))
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("r1",)), (wire.RequestType.ADD, "r1")]
+
+
 def test_routing_merges_ticks_and_retires_on_finish():
     p = EngineProtocol()
     mb, _ = p.submit(make_request("r1"))

@@ -14,7 +14,8 @@ below are testable in microseconds without sockets:
   dropped.
 - **Aborts** are synchronous and idempotent (:meth:`abort`): an ADD still in
   the outbox is simply never sent; an ADD already handed to the socket gets
-  its id added to one batched ABORT frame, which always follows that ADD.
+  its id added to one batched ABORT frame, which is sent before anything
+  queued later (so a resubmitted id is never killed by its old ABORT).
   vLLM sends no final output after a client ABORT, so the entry is retired
   locally at once.
 - **Death** (:meth:`engine_died`): the ``ENGINE_CORE_DEAD`` sentinel, a streak
@@ -258,21 +259,26 @@ class EngineProtocol:
     def pop_send(self) -> Outgoing | None:
         """Next message for the input ROUTER, or ``None``.
 
-        ADDs go out in submission order; pending aborts follow as one batched
-        ABORT frame (an aborted id whose ADD was never sent is not in it).
+        Pending aborts go first, as one batched ABORT frame; then the outbox
+        (ADDs and utility calls) in submission order. Aborts first is always
+        safe and sometimes required: an id is only in the pending set once
+        its ADD was handed to the socket (the pump sends one message at a
+        time, so that send has completed), and a request resubmitted with the
+        same id after an abort must reach the engine *after* that ABORT, or
+        the ABORT would kill the new request.
         The returned message is in state SENDING until :meth:`send_done` /
         :meth:`engine_died`.
         """
-        while self._outbox:
-            out = self._outbox.popleft()
-            if out.state is SendState.QUEUED:
-                out.state = SendState.SENDING
-                return out
         if self._pending_aborts:
             ids = list(self._pending_aborts)
             self._pending_aborts.clear()
             self.aborts_sent += len(ids)
             return Outgoing([self.identity, _ABORT, wire.encode_abort(ids)], state=SendState.SENDING)
+        while self._outbox:
+            out = self._outbox.popleft()
+            if out.state is SendState.QUEUED:
+                out.state = SendState.SENDING
+                return out
         return None
 
     def send_done(self, out: Outgoing) -> None:

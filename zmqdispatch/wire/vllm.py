@@ -54,6 +54,7 @@ __all__ = [
     "SamplingParams",
     "set_order",
     "EngineCoreRequest",
+    "REQUEST_MIN_FIELDS",
     "encode_request",
     "decode_request",
     "encode_abort",
