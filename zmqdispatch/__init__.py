@@ -15,24 +15,8 @@ shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
 """
 
 from .client import ClientConfig, EngineClient, EngineSession, RequestStream, connect
-from .errors import (
-    ContextLengthError,
-    DuplicateRequestIdError,
-    EngineDeadError,
-    EngineError,
-    EngineHandshakeError,
-    EngineHandshakeTimeout,
-    EngineRequestError,
-    LocalProtocolError,
-    RemoteProtocolError,
-    RequestError,
-    RequestRejected,
-    RequestStreamClosed,
-    SlowConsumerError,
-    UtilityCallError,
-    UtilityCallTimeout,
-    ZmqDispatchError,
-)
+from . import errors
+from .errors import *  # noqa: F403  (the public hierarchy, listed in errors.__all__)
 from .protocol.mailbox import OutputDelta
 
 __all__ = [
@@ -42,20 +26,5 @@ __all__ = [
     "RequestStream",
     "OutputDelta",
     "connect",
-    "ZmqDispatchError",
-    "RequestError",
-    "RequestRejected",
-    "ContextLengthError",
-    "DuplicateRequestIdError",
-    "EngineRequestError",
-    "SlowConsumerError",
-    "RequestStreamClosed",
-    "EngineError",
-    "EngineDeadError",
-    "EngineHandshakeError",
-    "EngineHandshakeTimeout",
-    "UtilityCallError",
-    "UtilityCallTimeout",
-    "RemoteProtocolError",
-    "LocalProtocolError",
+    *errors.__all__,
 ]

@@ -192,24 +192,15 @@ class TrioSocket:
                     batch.append(recv(_NOBLOCK))
                 except zmq.Again:
                     break
+                except zmq.ZMQError as exc:
+                    raise _translate(exc, self.name) from exc
             await trio.lowlevel.cancel_shielded_checkpoint()
             return batch
 
     async def recv_multipart(self) -> list[bytes]:
         """Receive one multipart message. Cancellation: atomic, as :meth:`recv_batch`."""
-        with self._guard:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            while True:
-                try:
-                    msg = self._sock.recv_multipart(_NOBLOCK)
-                except zmq.Again:
-                    await trio.lowlevel.wait_readable(self._fd)
-                    continue
-                except zmq.ZMQError as exc:
-                    raise _translate(exc, self.name) from exc
-                break
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return msg
+        (msg,) = await self.recv_batch(1)
+        return msg
 
     # ------------------------------------------------------------- send
 

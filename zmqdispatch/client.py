@@ -116,17 +116,21 @@ class EngineSession:
     output_address: str
 
 
-async def _park(obj: Any) -> None:
-    """Sleep until ``obj.waiter()`` is called (by the sans-IO core).
+async def _park(obj: Any, attr: str = "waiter") -> None:
+    """Sleep until the sans-IO core calls ``getattr(obj, attr)()``.
 
-    Cancellation: a cancel point; on cancel ``obj.waiter`` is cleared and
-    nothing else changes.
+    The core (mailbox, outgoing message, utility call, protocol) calls and
+    clears that hook from the router or pump task; ``reschedule`` is the
+    cheapest wake-up trio has (no Event per delivery).
+
+    Cancellation: a cancel point; on cancel the hook is cleared and nothing
+    else changes.
     """
     task = trio.lowlevel.current_task()
-    obj.waiter = lambda: trio.lowlevel.reschedule(task)
+    setattr(obj, attr, lambda: trio.lowlevel.reschedule(task))
 
     def abort_fn(_: Any) -> trio.lowlevel.Abort:
-        obj.waiter = None
+        setattr(obj, attr, None)
         return trio.lowlevel.Abort.SUCCEEDED
 
     await trio.lowlevel.wait_task_rescheduled(abort_fn)
@@ -479,19 +483,20 @@ class EngineClient:
             self._died("process_exit", f"engine process {self._process.pid} exited with code {code}")
 
     def _flush_aborts_nowait(self) -> None:
-        """Best-effort, non-blocking send of queued ABORTs at shutdown."""
+        """At shutdown: hand the pending ABORT frame to the socket without
+        waiting (the input socket then lingers briefly to deliver it). Queued
+        ADDs are not sent: nobody would read their outputs."""
         p = self._protocol
         if p.state is not LinkState.READY or not p.pending_abort_ids:
             return
-        out = p.pop_send()
-        while out is not None:
-            try:
-                if not self._input.try_send(out.frames):
-                    break
-            except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
-                break
-            p.send_done(out)
-            out = p.pop_send()
+        out = p.pop_send()  # pending aborts always come first
+        if out is None:
+            return
+        try:
+            if self._input.try_send(out.frames):
+                p.send_done(out)
+        except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
 
 
 async def _park_sender(p: EngineProtocol) -> None:
@@ -499,14 +504,7 @@ async def _park_sender(p: EngineProtocol) -> None:
     if p.wants_send or p.state is not LinkState.READY:
         await trio.lowlevel.checkpoint()
         return
-    task = trio.lowlevel.current_task()
-    p.send_waiter = lambda: trio.lowlevel.reschedule(task)
-
-    def abort_fn(_: Any) -> trio.lowlevel.Abort:
-        p.send_waiter = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    await trio.lowlevel.wait_task_rescheduled(abort_fn)
+    await _park(p, "send_waiter")
 
 
 # ---------------------------------------------------------------------- connect

@@ -89,9 +89,8 @@ async def test_cancellation_always_aborts(where):  # K7
                     scope.cancel()  # the submitter is cancelled while its ADD is queued
                 async with client.generate(make_request("r1", max_tokens=100)) as stream:
                     await engine.receive_add()
-                    await engine.send_tokens("r1", [1])
-                    await engine.send_tokens("r1", [2])
-                    await stream.receive()
+                    await engine.send_tokens("r1", [1, 2])
+                    assert (await stream.receive()).token_ids == [1, 2]  # nothing left pending
                     if where == "blocked_in_receive":
                         async with trio.open_nursery() as n:
                             n.start_soon(stream.receive)
@@ -328,3 +327,22 @@ async def test_an_error_in_the_client_block_surfaces_unwrapped():
     with pytest.raises(KeyError, match="mine"):
         async with zmqdispatch.connect(launch=launch, config=zmqdispatch.ClientConfig(handshake_timeout=60)):
             raise KeyError("mine")
+
+
+async def test_abort_queued_just_before_the_client_exits_still_reaches_the_engine(tmp_path):
+    import zmqdispatch
+    from zmqdispatch.testing.fake_engine import FakeEngine
+
+    addr = f"ipc://{tmp_path}/hs.sock"
+    engine = FakeEngine(addr)
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as n:
+            n.start_soon(engine.run_handshake)
+            async with zmqdispatch.connect(addr) as client:
+                await engine.handshake_done.wait()
+                s = client.generate(make_request("r1"))
+                await s.__aenter__()
+                await engine.receive_add()
+                s.abort()  # queued; the client block ends before the input pump runs
+            assert await engine.receive_abort() == ("r1",)
+        engine.close()
