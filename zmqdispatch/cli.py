@@ -33,7 +33,7 @@ from .client import ClientConfig, connect
 from .errors import EngineError, RequestError, RequestRejected, ZmqDispatchError
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
-from .translate.vllm import ResponseBuilder, pb, to_engine_core_request
+from .translate.vllm import TranslationConfig, pb, translate_request
 
 __all__ = ["main"]
 
@@ -77,7 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT, metavar="S")
     eng.add_argument("--silence-timeout", type=float, default=DEFAULT_SILENCE_TIMEOUT, metavar="S")
     eng.add_argument("--vocab-size", type=int, help="reject token ids >= this (protects the engine)")
-    eng.add_argument("--eos-token-id", type=int, help="the model's EOS id (the engine has no tokenizer)")
+    eng.add_argument("--eos-token-id", type=_int_list, default=[], metavar="IDS",
+                     help="the model's EOS id(s), primary first (the engine has no tokenizer)")
+    eng.add_argument("--max-logprobs", type=int, default=20, help="the engine's max_logprobs")
     eng.add_argument("--mock-max-model-len", type=int, default=4096, help="embedded mock only")
 
     m = sub.add_parser(
@@ -170,18 +172,23 @@ async def _generate(args: argparse.Namespace, req: pb.GenerateRequest) -> int:
     else:
         launch = _mock_launch_argv(args)
     async with connect(args.handshake_address, launch=launch, config=config) as client:
-        engine_req = to_engine_core_request(
-            req,
-            max_model_len=client.max_model_len,
-            eos_token_id=args.eos_token_id,
-            engine_index=client.engine_index,
-        )
-        builder = ResponseBuilder(len(engine_req.prompt_token_ids), stream=req.stream)
-        async with client.generate(engine_req) as stream:
+        translation = translate_request(req, _translation_config(args, client.max_model_len, client.engine_index))
+        builder = translation.response_builder()
+        async with client.generate(translation.request) as stream:
             async for delta in stream:
                 for resp in builder.feed(delta):
                     _print(resp)
     return EXIT_OK
+
+
+def _translation_config(args: argparse.Namespace, max_model_len: int, engine_index: int | None) -> TranslationConfig:
+    return TranslationConfig(
+        max_model_len=max_model_len,
+        eos_token_ids=tuple(args.eos_token_id),
+        vocab_size=args.vocab_size,
+        max_logprobs=args.max_logprobs,
+        engine_index=engine_index,
+    )
 
 
 def _fail(code: int, message: str) -> int:
@@ -215,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         req = _load_request(args)
         # Proto-level checks first, so a bad request fails before an engine starts.
-        to_engine_core_request(req, max_model_len=2**31 - 1, eos_token_id=args.eos_token_id)
+        translate_request(req, _translation_config(args, 2**31 - 1, None))
         return trio.run(_generate, args, req)
     except RequestRejected as exc:
         return _fail(EXIT_REJECTED, f"request rejected: {exc}")

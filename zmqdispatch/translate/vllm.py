@@ -1,51 +1,62 @@
 """Gateway proto <-> vLLM wire, sans-IO.
 
-:func:`to_engine_core_request` turns a ``vllm.grpc.engine.GenerateRequest``
+:func:`translate_request` turns a ``vllm.grpc.engine.GenerateRequest``
 (``vllm_engine.proto`` of ``smg-grpc-proto``) into a vLLM 0.32
-``EngineCoreRequest``; :class:`ResponseBuilder` turns a stream's
+``EngineCoreRequest`` plus what the response side needs
+(:class:`Translation`); :class:`ResponseBuilder` turns a stream's
 :class:`~zmqdispatch.protocol.mailbox.OutputDelta` objects into
 ``GenerateResponse`` chunks and one final complete.
 
-**Nothing is dropped silently.** Every field is either mapped, or has no effect
-on a token-id stream (documented below), or is rejected with a
-:class:`~zmqdispatch.errors.RequestRejected` naming it. Fields mapped here:
-``request_id``, ``tokenized.input_ids``, ``data_parallel_rank``, and in
-``sampling_params``: ``temperature``, ``top_p``, ``top_k``, ``max_tokens``,
-``seed``, ``stop_token_ids``, ``ignore_eos``, ``n`` (only 1).
+**Nothing is dropped silently.** Every field of ``GenerateRequest`` and
+``SamplingParams`` is mapped, or has no effect on a token-id stream (said
+below), or is rejected with :class:`~zmqdispatch.errors.RequestRejected` naming
+it and the limit. The full table is in ``protos/README.md``.
 
-Fields accepted without effect: ``tokenized.original_text`` (for reference
-only), ``stream`` (``False`` makes :class:`ResponseBuilder` emit only the
-complete), ``skip_special_tokens`` and ``spaces_between_special_tokens``
-(detokenisation options; this transport returns token ids).
+proto3 zero values (a non-optional field cannot tell "unset" from 0), the rule:
 
-proto3 zero values (the field cannot tell "unset" from 0):
+- ``top_p`` 0.0 and ``repetition_penalty`` 0.0 mean unset and become vLLM's 1.0
+  (both 0.0 are invalid for vLLM; ``top_p`` 0.0 silently kills the engine's
+  input thread);
+- ``top_k`` 0 means "disabled", as in vLLM; ``n`` 0 means 1;
+- ``min_p``, ``frequency_penalty``, ``presence_penalty``, ``min_tokens`` 0 are
+  vLLM's own defaults;
+- ``skip_special_tokens`` / ``spaces_between_special_tokens`` are taken as
+  given (the engine ignores them; they only shape client-side stop-string
+  detokenisation, and a gateway builder fills them explicitly).
 
-- ``top_p`` 0.0 means unset and becomes vLLM's 1.0 (0.0 is invalid for vLLM and
-  silently kills the engine's input thread);
-- ``repetition_penalty`` 0.0 means unset (1.0); any other value is rejected
-  until the translation of penalties lands;
-- ``top_k`` 0 means "disabled", as in vLLM;
-- ``n`` 0 means 1.
-
-``max_tokens`` unset becomes ``max_model_len - prompt_len``; an explicit 0 is
-rejected (the engine's input thread dies on it). EOS: with ``eos_token_id``
-known (a client option; the engine has no tokenizer), it rides
-``_eos_token_id`` and ``_all_stop_token_ids`` exactly as vLLM's front end sets
-them, and ``ignore_eos`` leaves ``_eos_token_id`` unset.
+EOS, as vLLM's front end sets it (``SamplingParams.update_from_generation_config``):
+the primary EOS id rides ``_eos_token_id`` (unless ``ignore_eos``), so an EOS
+finish reports no matched stop; further EOS ids of the generation config join
+``stop_token_ids`` (unless ``ignore_eos``); every one of them joins
+``_all_stop_token_ids`` (which serves ``min_tokens``).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+import attrs
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from ..errors import RequestRejected
 from ..protocol.mailbox import OutputDelta
 from ..wire import vllm as wire
 
-__all__ = ["to_engine_core_request", "ResponseBuilder", "FINISH_REASON_STRINGS", "pb"]
+__all__ = [
+    "FINISH_REASON_STRINGS",
+    "ResponseBuilder",
+    "Translation",
+    "TranslationConfig",
+    "pb",
+    "responses",
+    "shape_top_logprobs",
+    "to_engine_core_request",
+    "translate_request",
+]
 
 #: Engine ``FinishReason`` -> the proto's ``finish_reason`` string (reference
 #: gateway section 2.11). ERROR never gets here: it is raised as an error.
@@ -56,48 +67,150 @@ FINISH_REASON_STRINGS = {
     wire.FinishReason.REPETITION: "stop",
 }
 
-# SamplingParams fields that the next translation step maps; until then a set
-# value is refused rather than dropped. Value: how to tell "set".
-_NOT_YET_MAPPED_SCALARS = (
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "min_tokens",
-    "include_stop_str_in_output",
-    "grammar_from_first_token",
-)
-_NOT_YET_MAPPED_OPTIONAL = ("logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+#: vLLM's default ``max_logprobs`` (ModelConfig): the most logprobs per
+#: position an engine serves unless started with a larger ``--max-logprobs``.
+DEFAULT_MAX_LOGPROBS = 20
+
+#: ``logit_bias`` values outside this range are refused (the OpenAI API range;
+#: the proto documents it too).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+@attrs.frozen(kw_only=True)
+class TranslationConfig:
+    """What the translation needs to know about the engine and model.
+
+    Attributes:
+        max_model_len: the engine's context length (from its ready response).
+        eos_token_ids: the model's EOS ids, primary first (the engine has no
+            tokenizer: without them it never stops at EOS).
+        vocab_size: when known, token ids in ``stop_token_ids`` and
+            ``logit_bias`` must be below it.
+        max_logprobs: the engine's ``max_logprobs``; larger requests are refused.
+        structured_outputs_backend: vLLM's ``_backend`` for constraints
+            (``"xgrammar"``, ``"guidance"``, ``"outlines"``,
+            ``"lm-format-enforcer"``); the engine needs it set, as vLLM's
+            front end always sets it.
+        engine_index: the connected engine's DP rank; a ``data_parallel_rank``
+            naming another engine is refused.
+        tokenizer: optional; needed for stop strings (anything with
+            ``encode``/``decode``, e.g. a ``tokenizers.Tokenizer``).
+    """
+
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    vocab_size: int | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    structured_outputs_backend: str = "xgrammar"
+    engine_index: int | None = None
+    tokenizer: Any = None
+
+
+@attrs.frozen(kw_only=True)
+class Translation:
+    """A translated request and what its responses need.
+
+    Attributes:
+        request: the ``EngineCoreRequest`` to send.
+        prompt_token_ids: the prompt as sent (after ``truncate_prompt_tokens``).
+        logprobs: requested top logprobs per output position (``None``: none).
+        prompt_logprobs: requested top logprobs per prompt position.
+        stream: ``False``: only the complete is emitted.
+        index: the completion index (0 unless fanned out).
+    """
+
+    request: wire.EngineCoreRequest
+    prompt_token_ids: tuple[int, ...]
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    stream: bool = True
+    index: int = 0
+
+    def response_builder(self) -> ResponseBuilder:
+        """A fresh :class:`ResponseBuilder` for this request's stream."""
+        return ResponseBuilder(
+            len(self.prompt_token_ids),
+            index=self.index,
+            stream=self.stream,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_token_ids=self.prompt_token_ids,
+        )
 
 
 def _reject(rid: str, field: str, why: str) -> RequestRejected:
     return RequestRejected(f"{field}: {why}", request_id=rid, field=field)
 
 
-def to_engine_core_request(
+def _logprob_count(rid: str, sp: pb.SamplingParams, name: str, cap: int) -> int | None:
+    if not sp.HasField(name):
+        return None
+    k = getattr(sp, name)
+    field = f"sampling_params.{name}"
+    if k == -1:
+        raise _reject(rid, field, f"-1 ('whole vocabulary') is not served; ask for at most max_logprobs={cap}")
+    if k < 0 or k > cap:
+        raise _reject(rid, field, f"must be in [0, {cap}] (max_logprobs), got {k}")
+    return k
+
+
+def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.StructuredOutputsParams | None:
+    which = sp.WhichOneof("constraint")
+    if which is None:
+        return None
+    field = f"sampling_params.{which}"
+    kw: dict[str, Any] = {}
+    if which == "json_schema":
+        text = sp.json_schema
+        if not text.strip():
+            raise _reject(rid, field, "must not be empty")
+        try:
+            kw["json"] = json.loads(text)  # vLLM's OpenAI server passes the schema as an object
+        except ValueError:
+            raise _reject(rid, field, "is not valid JSON") from None
+    elif which == "regex":
+        if not sp.regex:
+            raise _reject(rid, field, "must not be empty")
+        kw["regex"] = sp.regex
+    elif which == "grammar":
+        if not sp.grammar.strip():
+            raise _reject(rid, field, "must not be empty")
+        kw["grammar"] = sp.grammar
+    elif which == "structural_tag":
+        if not sp.structural_tag.strip():
+            raise _reject(rid, field, "must not be empty")
+        kw["structural_tag"] = sp.structural_tag
+    elif which == "json_object":
+        if not sp.json_object:
+            return None  # explicitly "no JSON object constraint": nothing to enforce
+        kw["json_object"] = True
+    elif which == "choice":
+        choices = list(sp.choice.choices)
+        if not choices:
+            raise _reject(rid, field, "needs at least one choice")
+        kw["choice"] = tuple(choices)
+    # structural_tag is only understood by xgrammar (guidance's parser cannot
+    # compile the triggered-tags format; reference gateway section 2.4).
+    chosen = "xgrammar" if which == "structural_tag" else backend
+    return wire.StructuredOutputsParams(backend=chosen, backend_was_auto=False, **kw)
+
+
+def translate_request(
     req: pb.GenerateRequest,
+    config: TranslationConfig,
     *,
-    max_model_len: int,
-    eos_token_id: int | None = None,
-    engine_index: int | None = None,
     arrival_time: float | None = None,
-) -> wire.EngineCoreRequest:
+) -> Translation:
     """Translate one gateway ``GenerateRequest`` into a vLLM ``EngineCoreRequest``.
 
-    Args:
-        req: ``vllm.grpc.engine.GenerateRequest`` (smg-grpc-proto).
-        max_model_len: the engine's context length; unset ``max_tokens``
-            defaults to ``max_model_len - len(prompt)``.
-        eos_token_id: the model's EOS id, when known.
-        engine_index: the connected engine's DP rank; a
-            ``data_parallel_rank`` naming another engine is rejected.
-        arrival_time: wall-clock seconds (default ``time.time()``).
-
     Returns:
-        an ``EngineCoreRequest`` (not yet validated against the engine:
-        :func:`zmqdispatch.protocol.checks.check_request` does that).
+        a :class:`Translation` (the request is not yet checked against the
+        engine: :func:`zmqdispatch.protocol.checks.check_request` does that,
+        and :meth:`zmqdispatch.EngineClient.generate` calls it).
 
     Raises:
-        RequestRejected: a field that cannot be carried, naming it.
+        RequestRejected: a field that cannot be carried or is out of range,
+            naming it (``.field``) and the limit.
     """
     rid = req.request_id
     if not rid:
@@ -107,7 +220,7 @@ def to_engine_core_request(
         raise _reject(rid, "text", "the ZMQ transport takes token ids: send `tokenized.input_ids`, not text")
     if which is None:
         raise _reject(rid, "tokenized", "no input: set `tokenized.input_ids`")
-    prompt = list(req.tokenized.input_ids)
+    prompt = tuple(req.tokenized.input_ids)
     if not prompt:
         raise _reject(rid, "tokenized.input_ids", "must not be empty")
     if req.HasField("kv_transfer_params") or req.HasField("kv_transfer_params_json"):
@@ -121,100 +234,287 @@ def to_engine_core_request(
         dp_rank = req.data_parallel_rank
         if dp_rank < 0:
             raise _reject(rid, "data_parallel_rank", f"must be >= 0, got {dp_rank}")
-        if engine_index is not None and dp_rank != engine_index:
+        if config.engine_index is not None and dp_rank != config.engine_index:
             raise _reject(
-                rid, "data_parallel_rank", f"{dp_rank} names no connected engine (this client serves engine {engine_index})"
+                rid,
+                "data_parallel_rank",
+                f"{dp_rank} names no connected engine (this client serves engine {config.engine_index})",
             )
 
     sp = req.sampling_params if req.HasField("sampling_params") else pb.SamplingParams()
     f = "sampling_params."
-    for name in _NOT_YET_MAPPED_SCALARS:
-        if getattr(sp, name):
-            raise _reject(rid, f + name, "is not supported by this transport yet")
-    for name in _NOT_YET_MAPPED_OPTIONAL:
-        if sp.HasField(name):
-            raise _reject(rid, f + name, "is not supported by this transport yet")
-    if sp.repetition_penalty not in (0.0, 1.0):
-        raise _reject(rid, f + "repetition_penalty", "is not supported by this transport yet")
-    if len(sp.stop) > 0:
-        raise _reject(rid, f + "stop", "stop strings need a tokenizer; send stop_token_ids instead")
-    if len(sp.logit_bias) > 0:
-        raise _reject(rid, f + "logit_bias", "is not supported by this transport yet")
-    constraint = sp.WhichOneof("constraint")
-    if constraint is not None:
-        raise _reject(rid, f + constraint, "structured outputs are not supported by this transport yet")
+
     if sp.n > 1:
         raise _reject(rid, f + "n", f"n={sp.n}: parallel sampling (n > 1) is not supported yet")
+    if len(sp.stop) > 0:
+        if config.tokenizer is None:
+            raise _reject(rid, f + "stop", "stop strings need a tokenizer (none configured); send stop_token_ids")
+        raise _reject(rid, f + "stop", "stop strings are not supported yet")
+
+    # truncate_prompt_tokens: vLLM's front end keeps the last k prompt tokens;
+    # -1 means max_model_len. The engine never truncates.
+    if sp.HasField("truncate_prompt_tokens"):
+        k = sp.truncate_prompt_tokens
+        if k == -1:
+            k = config.max_model_len
+        if k < 1:
+            raise _reject(rid, f + "truncate_prompt_tokens", f"must be >= 1 or -1 (max_model_len), got {k}")
+        if k > config.max_model_len:
+            raise _reject(
+                rid, f + "truncate_prompt_tokens", f"{k} exceeds max_model_len={config.max_model_len}"
+            )
+        prompt = prompt[-k:]
 
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
+    if not math.isfinite(temperature):
+        raise _reject(rid, f + "temperature", f"must be finite, got {temperature}")
     top_p = sp.top_p if sp.top_p != 0.0 else 1.0
+    repetition_penalty = sp.repetition_penalty if sp.repetition_penalty != 0.0 else 1.0
     if sp.HasField("max_tokens"):
         max_tokens = sp.max_tokens
         if max_tokens == 0:
             raise _reject(rid, f + "max_tokens", "must be >= 1 (0 kills the engine's input thread)")
     else:
-        max_tokens = max_model_len - len(prompt)
-        if max_tokens < 1:
-            # check_request states both numbers in a ContextLengthError.
-            max_tokens = 1
-    stop_token_ids = tuple(dict.fromkeys(sp.stop_token_ids))
-    # vLLM's SamplingParams.__post_init__ builds _all_stop_token_ids as a set
-    # of stop_token_ids, and its front end then adds the EOS id (even with
-    # ignore_eos: the set serves min_tokens masking).
-    all_stop: set[int] = set(stop_token_ids)
-    if eos_token_id is not None:
-        all_stop.add(eos_token_id)
+        # The context-length check then states both numbers when nothing fits.
+        max_tokens = max(1, config.max_model_len - len(prompt))
+
+    logprobs = _logprob_count(rid, sp, "logprobs", config.max_logprobs)
+    prompt_logprobs = _logprob_count(rid, sp, "prompt_logprobs", config.max_logprobs)
+
+    logit_bias = None
+    if len(sp.logit_bias) > 0:
+        logit_bias = {}
+        for tok, bias in sorted(sp.logit_bias.items()):
+            if tok < 0 or (config.vocab_size is not None and tok >= config.vocab_size):
+                limit = f"[0, {config.vocab_size})" if config.vocab_size is not None else ">= 0"
+                raise _reject(rid, f + "logit_bias", f"token id {tok} is not a vocabulary id ({limit})")
+            if not (LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]):
+                raise _reject(rid, f + "logit_bias", f"bias {bias} for token {tok} is outside [-100, 100]")
+            logit_bias[tok] = float(bias)
+
+    structured = _structured_outputs(rid, sp, config.structured_outputs_backend)
+    if sp.grammar_from_first_token and structured is None:
+        raise _reject(rid, f + "grammar_from_first_token", "is only meaningful with a constraint")
+
+    # EOS and stop ids, as vLLM's front end builds them: SamplingParams.__post_init__
+    # makes _all_stop_token_ids = set(stop_token_ids); update_from_generation_config
+    # adds the primary EOS, then the other EOS ids, which also join stop_token_ids
+    # (unless ignore_eos) as list(set(extras) | set(stop_token_ids)).
+    user_stop = list(dict.fromkeys(sp.stop_token_ids))
+    primary = config.eos_token_ids[0] if config.eos_token_ids else None
+    extras = [t for t in dict.fromkeys(config.eos_token_ids[1:]) if t != primary]
+    all_stop: set[int] = set(user_stop)
+    if primary is not None:
+        all_stop.add(primary)
+    stop_token_ids: Sequence[int] = user_stop
+    if extras:
+        all_stop.update(extras)
+        if not sp.ignore_eos:
+            merged = set(extras)
+            merged.update(user_stop)
+            stop_token_ids = list(merged)
+
     params = wire.SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=int(sp.top_k),
+        min_p=float(sp.min_p),
+        presence_penalty=float(sp.presence_penalty),
+        frequency_penalty=float(sp.frequency_penalty),
+        repetition_penalty=float(repetition_penalty),
         seed=sp.seed if sp.HasField("seed") else None,
         max_tokens=int(max_tokens),
-        stop_token_ids=stop_token_ids,
+        min_tokens=int(sp.min_tokens),
+        stop_token_ids=tuple(stop_token_ids),
         ignore_eos=bool(sp.ignore_eos),
-        eos_token_id=None if (eos_token_id is None or sp.ignore_eos) else eos_token_id,
+        eos_token_id=None if (primary is None or sp.ignore_eos) else primary,
         all_stop_token_ids=tuple(all_stop),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=bool(sp.include_stop_str_in_output),
+        skip_special_tokens=bool(sp.skip_special_tokens),
+        spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
+        logit_bias=logit_bias,
+        structured_outputs=structured,
         detokenize=False,
-        output_kind=1,  # DELTA
+        output_kind=wire.RequestOutputKind.DELTA,
     )
-    return wire.EngineCoreRequest(
+    request = wire.EngineCoreRequest(
         request_id=rid,
-        prompt_token_ids=tuple(prompt),
+        prompt_token_ids=prompt,
         sampling_params=params,
         arrival_time=time.time() if arrival_time is None else arrival_time,
         data_parallel_rank=dp_rank,
+        reasoning_ended=True if sp.grammar_from_first_token else None,
     )
+    return Translation(
+        request=request,
+        prompt_token_ids=prompt,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        stream=req.stream,
+    )
+
+
+def to_engine_core_request(
+    req: pb.GenerateRequest,
+    *,
+    max_model_len: int,
+    eos_token_id: int | None = None,
+    engine_index: int | None = None,
+    arrival_time: float | None = None,
+) -> wire.EngineCoreRequest:
+    """Shorthand for ``translate_request(...).request`` with the common options."""
+    config = TranslationConfig(
+        max_model_len=max_model_len,
+        eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+        engine_index=engine_index,
+    )
+    return translate_request(req, config, arrival_time=arrival_time).request
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def shape_top_logprobs(ids: Sequence[int], values: Sequence[float], k: int) -> tuple[list[int], list[float]]:
+    """The first *k* distinct token ids of one logprobs row, with their values.
+
+    A row is ``[sampled, rank-1, rank-2, ...]`` (K+1 columns). The engine
+    repeats the sampled token among the ranked columns when it is in the top
+    K; a naive "take k" lists it twice and loses the last real candidate (the
+    reference gateway's bug fix ``9a97016e8``). This reproduces vLLM's own
+    dict-of-logprobs view.
+    """
+    out_ids: list[int] = []
+    out_vals: list[float] = []
+    for tok, val in zip(ids, values):
+        if len(out_ids) >= k:
+            break
+        if tok in out_ids:
+            continue
+        out_ids.append(tok)
+        out_vals.append(val)
+    return out_ids, out_vals
+
+
+class _LogprobAcc:
+    """Cumulative sampled-token logprobs: flat lists extended per delta."""
+
+    __slots__ = ("k", "values", "ids", "tops")
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.values: list[float] = []
+        self.ids: list[int] = []
+        self.tops: list[pb.TopLogProbs] = []
+
+    def add(self, lists: wire.LogprobsLists) -> pb.OutputLogProbs:
+        """Append one delta's rows; return that delta's ``OutputLogProbs``."""
+        vals = [row[0] for row in lists.logprobs]
+        ids = [row[0] for row in lists.token_ids]
+        tops: list[pb.TopLogProbs] = []
+        if self.k > 0:
+            for rid_row, val_row in zip(lists.token_ids, lists.logprobs):
+                t_ids, t_vals = shape_top_logprobs(rid_row, val_row, self.k)
+                tops.append(pb.TopLogProbs(values=t_vals, token_ids=t_ids))
+        self.values += vals
+        self.ids += ids
+        self.tops += tops
+        return pb.OutputLogProbs(token_logprobs=vals, token_ids=ids, top_logprobs=tops)
+
+    def message(self) -> pb.OutputLogProbs:
+        return pb.OutputLogProbs(token_logprobs=self.values, token_ids=self.ids, top_logprobs=self.tops)
 
 
 class ResponseBuilder:
     """Map one stream's deltas to ``GenerateResponse`` messages (sans-IO).
 
     A stream is always ``chunk* complete``: each chunk carries only its new
-    ``token_ids`` (delta) with running ``completion_tokens``; the complete
-    carries the cumulative ``output_ids``, the ``finish_reason`` string and the
-    matched stop. When the final delta has tokens, they go out as a chunk
-    first, so streaming clients always see every token in chunks (reference
-    gateway section 5.2).
+    ``token_ids`` (delta), running ``completion_tokens`` and that delta's
+    ``output_logprobs``; the complete carries the cumulative ``output_ids``
+    and ``output_logprobs``, the ``finish_reason`` string and the matched
+    stop. When the final delta has tokens they go out as a chunk first, so
+    streaming clients see every token in chunks (reference gateway 5.2).
 
     ``prompt_tokens`` is the engine's ``prefill_stats.num_prompt_tokens`` when
-    sent, else the prompt length (the engine sends no stats in some modes);
-    ``cached_tokens`` is ``prefill_stats.num_cached_tokens`` or 0.
+    sent, else the prompt length; ``cached_tokens`` is
+    ``prefill_stats.num_cached_tokens`` or 0.
+
+    Prompt logprobs (``input_logprobs``): the first prompt token has no
+    logprob (an entry without ``value``), then one entry per prompt position;
+    they accumulate over chunked-prefill deltas and ride the first chunk that
+    has tokens, and every complete.
+
+    Cost: O(new data) per delta; the cumulative lists are extended, never
+    copied, and the complete's message is built once.
 
     Args:
         prompt_len: number of prompt tokens.
         index: the completion index (0 unless fanned out).
         stream: ``False`` emits only the complete.
+        logprobs: requested top-logprob count per output position, ``None``
+            when not requested (0: only the sampled token's logprob).
+        prompt_logprobs: the same for prompt positions.
+        prompt_token_ids: the prompt (needed with ``prompt_logprobs``).
     """
 
-    __slots__ = ("_prompt_tokens", "_cached", "_output_ids", "_index", "_stream", "done")
+    __slots__ = (
+        "_prompt_tokens",
+        "_cached",
+        "_output_ids",
+        "_index",
+        "_stream",
+        "_lp",
+        "_plp_k",
+        "_plp_values",
+        "_plp_ids",
+        "_plp_tops",
+        "_input_sent",
+        "done",
+    )
 
-    def __init__(self, prompt_len: int, *, index: int = 0, stream: bool = True) -> None:
+    def __init__(
+        self,
+        prompt_len: int,
+        *,
+        index: int = 0,
+        stream: bool = True,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> None:
         self._prompt_tokens = prompt_len
         self._cached = 0
         self._output_ids: list[int] = []
         self._index = index
         self._stream = stream
+        self._lp = _LogprobAcc(logprobs) if logprobs is not None else None
+        self._plp_k = prompt_logprobs
+        self._plp_values: list[pb.InputTokenLogProb] = []
+        self._plp_ids: list[int] = []
+        self._plp_tops: list[pb.TopLogProbs] = []
+        if prompt_logprobs is not None and prompt_token_ids:
+            # The first prompt token is never scored.
+            self._plp_values.append(pb.InputTokenLogProb())
+            self._plp_ids.append(prompt_token_ids[0])
+            if prompt_logprobs > 0:
+                self._plp_tops.append(pb.TopLogProbs())
+        self._input_sent = False
         self.done = False
+
+    def _add_prompt_logprobs(self, lists: wire.LogprobsLists) -> None:
+        k = self._plp_k or 0
+        for ids_row, val_row in zip(lists.token_ids, lists.logprobs):
+            self._plp_values.append(pb.InputTokenLogProb(value=val_row[0]))
+            self._plp_ids.append(ids_row[0])
+            if k > 0:
+                t_ids, t_vals = shape_top_logprobs(ids_row, val_row, k)
+                self._plp_tops.append(pb.TopLogProbs(values=t_vals, token_ids=t_ids))
+
+    def _input_logprobs(self) -> pb.InputLogProbs | None:
+        if self._plp_k is None:
+            return None
+        return pb.InputLogProbs(token_logprobs=self._plp_values, token_ids=self._plp_ids, top_logprobs=self._plp_tops)
 
     def feed(self, delta: OutputDelta) -> list[pb.GenerateResponse]:
         """Responses for one delta: ``[]``, ``[chunk]``, ``[complete]`` or ``[chunk, complete]``."""
@@ -222,21 +522,30 @@ class ResponseBuilder:
             self._prompt_tokens = delta.num_prompt_tokens
         if delta.num_cached_tokens is not None:
             self._cached = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None and self._plp_k is not None:
+            self._add_prompt_logprobs(delta.prompt_logprobs)
         out: list[pb.GenerateResponse] = []
         tokens = delta.token_ids
         self._output_ids += tokens
+        chunk_lp = None
+        if self._lp is not None and delta.logprobs is not None:
+            chunk_lp = self._lp.add(delta.logprobs)
         if tokens and self._stream:
-            out.append(
-                pb.GenerateResponse(
-                    chunk=pb.GenerateStreamChunk(
-                        token_ids=tokens,
-                        prompt_tokens=self._prompt_tokens,
-                        completion_tokens=len(self._output_ids),
-                        cached_tokens=self._cached,
-                        index=self._index,
-                    )
-                )
+            chunk = pb.GenerateStreamChunk(
+                token_ids=tokens,
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=len(self._output_ids),
+                cached_tokens=self._cached,
+                index=self._index,
             )
+            if chunk_lp is not None:
+                chunk.output_logprobs.CopyFrom(chunk_lp)
+            if not self._input_sent:
+                self._input_sent = True
+                inp = self._input_logprobs()
+                if inp is not None:
+                    chunk.input_logprobs.CopyFrom(inp)
+            out.append(pb.GenerateResponse(chunk=chunk))
         if delta.finish_reason is not None:
             out.append(self._complete(delta))
             self.done = True
@@ -251,6 +560,11 @@ class ResponseBuilder:
             cached_tokens=self._cached,
             index=self._index,
         )
+        if self._lp is not None:
+            complete.output_logprobs.CopyFrom(self._lp.message())
+        inp = self._input_logprobs()
+        if inp is not None:
+            complete.input_logprobs.CopyFrom(inp)
         stop = delta.stop_reason
         if isinstance(stop, int) and not isinstance(stop, bool):
             complete.matched_token_id = stop
@@ -259,9 +573,9 @@ class ResponseBuilder:
         return pb.GenerateResponse(complete=complete)
 
 
-def responses(deltas: Iterable[OutputDelta], prompt_len: int, *, stream: bool = True) -> list[pb.GenerateResponse]:
+def responses(deltas: Iterable[OutputDelta], prompt_len: int, *, stream: bool = True, **kw: Any) -> list[pb.GenerateResponse]:
     """Convenience for tests: all responses for a finished sequence of deltas."""
-    b = ResponseBuilder(prompt_len, stream=stream)
+    b = ResponseBuilder(prompt_len, stream=stream, **kw)
     out: list[pb.GenerateResponse] = []
     for d in deltas:
         out.extend(b.feed(d))
