@@ -33,7 +33,8 @@ from .client import ClientConfig, connect
 from .errors import EngineError, RequestError, RequestRejected, ZmqDispatchError
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
-from .translate.vllm import TranslationConfig, pb, translate_request
+from .fanout import generate_parallel
+from .translate.vllm import TranslationConfig, pb, translate_parallel
 
 __all__ = ["main"]
 
@@ -69,6 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--top-k", type=int)
     src.add_argument("--seed", type=int)
     src.add_argument("--stop-token-ids", type=_int_list, metavar="IDS")
+    src.add_argument("-n", "--n", type=int, dest="n", help="samples per request (fan-out)")
     src.add_argument("--no-stream", action="store_true", help="print only the complete")
     eng = g.add_argument_group("engine")
     how = eng.add_mutually_exclusive_group()
@@ -134,6 +136,10 @@ def _load_request(args: argparse.Namespace) -> pb.GenerateRequest:
         sp.seed = args.seed
     if args.stop_token_ids:
         sp.stop_token_ids.extend(args.stop_token_ids)
+    if args.n is not None:
+        if args.n < 1:
+            raise RequestRejected(f"--n must be >= 1, got {args.n}", field="sampling_params.n")
+        sp.n = args.n
     return pb.GenerateRequest(
         request_id=args.request_id or f"zmqd-{uuid.uuid4().hex[:12]}",
         tokenized=pb.TokenizedInput(input_ids=args.prompt_token_ids),
@@ -172,11 +178,11 @@ async def _generate(args: argparse.Namespace, req: pb.GenerateRequest) -> int:
     else:
         launch = _mock_launch_argv(args)
     async with connect(args.handshake_address, launch=launch, config=config) as client:
-        translation = translate_request(req, _translation_config(args, client.max_model_len, client.engine_index))
-        builder = translation.response_builder()
-        async with client.generate(translation.request) as stream:
-            async for delta in stream:
-                for resp in builder.feed(delta):
+        samples = translate_parallel(req, _translation_config(args, client.max_model_len, client.engine_index))
+        builders = [t.response_builder() for t in samples]
+        async with generate_parallel(client, [t.request for t in samples]) as stream:
+            async for index, delta in stream:
+                for resp in builders[index].feed(delta):
                     _print(resp)
     return EXIT_OK
 
@@ -222,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         req = _load_request(args)
         # Proto-level checks first, so a bad request fails before an engine starts.
-        translate_request(req, _translation_config(args, 2**31 - 1, None))
+        translate_parallel(req, _translation_config(args, 2**31 - 1, None))
         return trio.run(_generate, args, req)
     except RequestRejected as exc:
         return _fail(EXIT_REJECTED, f"request rejected: {exc}")

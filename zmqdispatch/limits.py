@@ -31,6 +31,11 @@ MAX_OUTPUTS_PER_MESSAGE = 65_536
 #: emits a handful; more means a broken peer).
 MAX_TOKENS_PER_TICK = 4096
 
+#: Most samples (``n``) one request may fan out into. vLLM's own bound
+#: (``VLLM_MAX_N_SEQUENCES``) is 16,384; every sample is a full engine
+#: request, so we keep a gateway-sized bound.
+MAX_PARALLEL_SAMPLES = 128
+
 # ---------------------------------------------------------------- connection defaults
 
 #: Seconds allowed for the whole HELLO / INIT / READY / ready-response exchange.

@@ -141,3 +141,19 @@ async def test_mock_engine_sentinel_fault_reaches_every_stream():
             with pytest.raises(EngineDeadError) as ei:
                 await collect(s)
             assert ei.value.reason == "sentinel"
+
+
+def test_generate_with_n3_prints_chunks_tagged_0_to_2_and_three_completes():
+    p = run_cli("generate", "--prompt-token-ids", "1,2,3", "--max-tokens", "4", "--n", "3", "--seed", "11",
+                "--temperature", "0.9")
+    assert p.returncode == 0, p.stderr
+    msgs = lines(p.stdout)
+    chunks = [m["chunk"] for m in msgs if "chunk" in m]
+    completes = [m["complete"] for m in msgs if "complete" in m]
+    assert sorted(c["index"] for c in completes) == [0, 1, 2]
+    assert {c["index"] for c in chunks} == {0, 1, 2}
+    for c in completes:
+        per_index = [t for ch in chunks if ch["index"] == c["index"] for t in ch["token_ids"]]
+        assert per_index == c["output_ids"] and len(per_index) == 4
+    # seeds differ per child (seed + index), so the samples differ
+    assert len({tuple(c["output_ids"]) for c in completes}) == 3

@@ -38,6 +38,8 @@ MAX_MODEL_LEN = 256
 REFERENCE_CASES = {
     "greedy8": {"prompt_token_ids": [1, 2, 3, 4, 5], "sampling": {"max_tokens": 8, "temperature": 0.0}},
     "greedy16_long": {"prompt_token_ids": list(range(10, 42)), "sampling": {"max_tokens": 16, "temperature": 0.0}},
+    "n3_seed7": {"prompt_token_ids": [1, 2, 3, 4, 5],
+                 "sampling": {"max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3}},
     "greedy_logprobs3": {"prompt_token_ids": [1, 2, 3, 4, 5],
                          "sampling": {"max_tokens": 4, "temperature": 0.0, "logprobs": 3}},
 }

@@ -84,6 +84,19 @@ def test_defaults_without_sampling_params_are_vllms_and_fill_the_context():
     assert sp is not None
 
 
+def test_greedy_resets_top_p_top_k_min_p_and_seed_minus_one_means_none_as_in_vllm():
+    sp = params(req(temperature=0.0, top_p=0.5, top_k=5, min_p=0.2, seed=-1, max_tokens=2))
+    assert (sp.top_p, sp.top_k, sp.min_p, sp.seed) == (1.0, 0, 0.0, None)
+    sp = params(req(temperature=0.7, top_p=0.5, top_k=5, min_p=0.25, seed=-1, max_tokens=2))
+    assert (sp.top_k, sp.min_p, sp.seed) == (5, 0.25, None) and sp.top_p == pytest.approx(0.5)
+
+
+def test_temperature_above_two_is_refused_like_vllm():
+    with pytest.raises(RequestRejected) as ei:
+        check_request(tr(req(temperature=2.5, max_tokens=2)).request, max_model_len=100)
+    assert ei.value.field == "sampling_params.temperature" and "[0, 2]" in str(ei.value)
+
+
 def test_proto3_zero_values_of_non_optional_fields_mean_unset():
     sp = params(req(top_p=0.0, repetition_penalty=0.0, max_tokens=1))
     assert sp.top_p == 1.0 and sp.repetition_penalty == 1.0

@@ -22,6 +22,7 @@ __all__ = ["check_request", "check_sampling_params"]
 
 # vLLM's SamplingParams._verify_args bounds (vllm/sampling_params.py, 0.32.0).
 _PENALTY_RANGE = (-2.0, 2.0)
+_TEMPERATURE_MAX = 2.0
 _INT32_MAX = 2**31 - 1
 
 
@@ -56,8 +57,8 @@ def check_sampling_params(sp: wire.SamplingParams, *, request_id: str = "") -> N
             raise bad(name, f"must be in [-2, 2], got {v!r}")
     if not _is_num(sp.repetition_penalty) or sp.repetition_penalty <= 0:
         raise bad("repetition_penalty", f"must be > 0, got {sp.repetition_penalty!r}")
-    if not _is_num(sp.temperature) or sp.temperature < 0:
-        raise bad("temperature", f"must be a finite number >= 0, got {sp.temperature!r}")
+    if not _is_num(sp.temperature) or not 0 <= sp.temperature <= _TEMPERATURE_MAX:
+        raise bad("temperature", f"must be in [0, {_TEMPERATURE_MAX:g}], got {sp.temperature!r}")
     if not _is_num(sp.top_p) or not 0 < sp.top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {sp.top_p!r} (0.0 kills the engine's input thread)")
     if not _is_int(sp.top_k) or sp.top_k < -1:

@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from .. import limits
 from ..errors import RequestRejected
 from ..protocol.mailbox import OutputDelta
 from ..wire import vllm as wire
@@ -54,7 +55,9 @@ __all__ = [
     "pb",
     "responses",
     "shape_top_logprobs",
+    "child_request_id",
     "to_engine_core_request",
+    "translate_parallel",
     "translate_request",
 ]
 
@@ -70,6 +73,9 @@ FINISH_REASON_STRINGS = {
 #: vLLM's default ``max_logprobs`` (ModelConfig): the most logprobs per
 #: position an engine serves unless started with a larger ``--max-logprobs``.
 DEFAULT_MAX_LOGPROBS = 20
+
+#: Below this temperature vLLM samples greedily (``vllm/sampling_params.py`` ``_SAMPLING_EPS``).
+_SAMPLING_EPS = 1e-5
 
 #: ``logit_bias`` values outside this range are refused (the OpenAI API range;
 #: the proto documents it too).
@@ -245,7 +251,7 @@ def translate_request(
     f = "sampling_params."
 
     if sp.n > 1:
-        raise _reject(rid, f + "n", f"n={sp.n}: parallel sampling (n > 1) is not supported yet")
+        raise _reject(rid, f + "n", f"n={sp.n}: use translate_parallel() for n > 1 (one request per sample)")
     if len(sp.stop) > 0:
         if config.tokenizer is None:
             raise _reject(rid, f + "stop", "stop strings need a tokenizer (none configured); send stop_token_ids")
@@ -269,6 +275,13 @@ def translate_request(
     if not math.isfinite(temperature):
         raise _reject(rid, f + "temperature", f"must be finite, got {temperature}")
     top_p = sp.top_p if sp.top_p != 0.0 else 1.0
+    top_k = sp.top_k
+    min_p = sp.min_p
+    if temperature < _SAMPLING_EPS:
+        # Greedy: vLLM's SamplingParams.__post_init__ resets these (0.32.0).
+        top_p, top_k, min_p = 1.0, 0, 0.0
+    # vLLM's SamplingParams.__post_init__ maps seed -1 to "no seed".
+    seed = sp.seed if sp.HasField("seed") and sp.seed != -1 else None
     repetition_penalty = sp.repetition_penalty if sp.repetition_penalty != 0.0 else 1.0
     if sp.HasField("max_tokens"):
         max_tokens = sp.max_tokens
@@ -317,12 +330,12 @@ def translate_request(
     params = wire.SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
-        top_k=int(sp.top_k),
-        min_p=float(sp.min_p),
+        top_k=int(top_k),
+        min_p=float(min_p),
         presence_penalty=float(sp.presence_penalty),
         frequency_penalty=float(sp.frequency_penalty),
         repetition_penalty=float(repetition_penalty),
-        seed=sp.seed if sp.HasField("seed") else None,
+        seed=seed,
         max_tokens=int(max_tokens),
         min_tokens=int(sp.min_tokens),
         stop_token_ids=tuple(stop_token_ids),
@@ -354,6 +367,59 @@ def translate_request(
         prompt_logprobs=prompt_logprobs,
         stream=req.stream,
     )
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """Engine-side id of sample *index* of a fanned-out request: ``"<request_id>-<index>"``.
+
+    The reference gateway's convention (vLLM's own front end uses
+    ``"<index>_<request_id>"``); a parent whose child ids collide with a live
+    request is refused at submission.
+    """
+    return f"{request_id}-{index}"
+
+
+def translate_parallel(
+    req: pb.GenerateRequest,
+    config: TranslationConfig,
+    *,
+    arrival_time: float | None = None,
+) -> list[Translation]:
+    """Translate a request with ``n`` samples into ``n`` single-sample requests.
+
+    ``n`` 0 (proto3 unset) and 1 give one request with the original id.
+    For ``n > 1``, child ``i`` has id :func:`child_request_id` and ``n = 1``;
+    with a seed ``s`` it gets ``s + i``, as vLLM's ``ParentRequest`` does
+    (``vllm/v1/engine/parallel_sampling.py``, 0.32): no wrap-around, vLLM seeds
+    are plain ints and ``s + i`` stays within int64 for an int32 ``s``. An
+    unset seed stays unset on every child.
+
+    Raises:
+        RequestRejected: anything :func:`translate_request` refuses; ``n`` above
+            :data:`zmqdispatch.limits.MAX_PARALLEL_SAMPLES`; ``n > 1`` with
+            greedy sampling (vLLM: "n must be 1 when using greedy sampling").
+    """
+    n = max(1, req.sampling_params.n) if req.HasField("sampling_params") else 1
+    if n == 1:
+        return [translate_request(req, config, arrival_time=arrival_time)]
+    rid = req.request_id
+    field = "sampling_params.n"
+    if n > limits.MAX_PARALLEL_SAMPLES:
+        raise _reject(rid, field, f"n={n} exceeds the limit of {limits.MAX_PARALLEL_SAMPLES} samples per request")
+    sp = req.sampling_params
+    if sp.HasField("temperature") and sp.temperature < _SAMPLING_EPS:
+        raise _reject(rid, field, f"n={n}: n must be 1 when using greedy sampling (temperature 0), as in vLLM")
+    single = pb.GenerateRequest()
+    single.CopyFrom(req)
+    single.sampling_params.n = 1
+    base = translate_request(single, config, arrival_time=arrival_time)
+    seed = base.request.sampling_params.seed
+    children = []
+    for i in range(n):
+        child_sp = attrs.evolve(base.request.sampling_params, seed=None if seed is None else seed + i)
+        child = attrs.evolve(base.request, request_id=child_request_id(rid, i), sampling_params=child_sp)
+        children.append(attrs.evolve(base, request=child, index=i))
+    return children
 
 
 def to_engine_core_request(

@@ -1,0 +1,204 @@
+"""n > 1: sibling sub-requests merged into one stream and cancelled together
+(known failure K6), against the scripted fake engine over real sockets."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zmqdispatch import DuplicateRequestIdError, EngineDeadError, EngineRequestError, RequestRejected
+from zmqdispatch.fanout import generate_parallel
+from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
+from zmqdispatch.wire import vllm as wire
+
+from ..helpers import make_request, out
+from .conftest import fake_pair
+
+GUARD = 20
+
+
+def children(n: int, seed: int | None = 7, rid: str = "p") -> list[wire.EngineCoreRequest]:
+    sp = pb.SamplingParams(n=n, max_tokens=50, temperature=0.8)
+    if seed is not None:
+        sp.seed = seed
+    r = pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]), sampling_params=sp)
+    return [t.request for t in translate_parallel(r, TranslationConfig(max_model_len=1024))]
+
+
+def test_child_ids_and_seeds_follow_the_documented_rule():
+    reqs = children(3, seed=2**31 - 1)
+    assert [r.request_id for r in reqs] == ["p-0", "p-1", "p-2"]
+    assert [r.sampling_params.seed for r in reqs] == [2**31 - 1, 2**31, 2**31 + 1]  # no wrap: vLLM seeds are ints
+    assert all(r.sampling_params.n == 1 for r in reqs)
+    assert [r.sampling_params.seed for r in children(2, seed=None)] == [None, None]
+    with pytest.raises(RequestRejected, match="greedy"):
+        r = pb.GenerateRequest(request_id="g", tokenized=pb.TokenizedInput(input_ids=[1]),
+                               sampling_params=pb.SamplingParams(n=2, temperature=0.0))
+        translate_parallel(r, TranslationConfig(max_model_len=64))
+    with pytest.raises(RequestRejected, match="limit"):
+        r = pb.GenerateRequest(request_id="g", tokenized=pb.TokenizedInput(input_ids=[1]),
+                               sampling_params=pb.SamplingParams(n=129, temperature=1.0))
+        translate_parallel(r, TranslationConfig(max_model_len=64))
+
+
+async def test_children_merge_tagged_in_order_and_the_parent_waits_for_all():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            async with generate_parallel(client, children(3)) as ps:
+                adds = [await engine.receive_add() for _ in range(3)]
+                assert [a.request_id for a in adds] == ["p-0", "p-1", "p-2"]
+                assert [a.sampling_params.seed for a in adds] == [7, 8, 9]
+                await engine.send_outputs([out("p-1", [10]), out("p-0", [20])])
+                await engine.send_outputs([out("p-1", [11], wire.FinishReason.STOP, stop_reason=11)])  # early finish
+                await engine.send_outputs([out("p-2", [30], wire.FinishReason.LENGTH), out("p-0", [21])])
+                await engine.send_outputs([out("p-0", [22], wire.FinishReason.LENGTH)])
+                got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+                finishes = []
+                async for index, delta in ps:
+                    got[index] += delta.token_ids
+                    if delta.finish_reason is not None:
+                        finishes.append(index)
+            assert got == {0: [20, 21, 22], 1: [10, 11], 2: [30]}
+            assert sorted(finishes) == [0, 1, 2]
+            assert client.protocol.inflight == 0
+
+
+@pytest.mark.parametrize("finished_first", [None, 2])
+async def test_leaving_the_parent_sends_one_abort_for_the_live_children(finished_first):  # K6
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            async with generate_parallel(client, children(4)) as ps:
+                for _ in range(4):
+                    await engine.receive_add()
+                if finished_first is not None:
+                    await engine.send_outputs([out(f"p-{finished_first}", [5], wire.FinishReason.LENGTH)])
+                    while True:
+                        i, d = await ps.receive()
+                        if i == finished_first and d.finish_reason is not None:
+                            break
+                await engine.send_outputs([out("p-0", [1])])
+                await ps.receive()
+            expected = tuple(f"p-{i}" for i in range(4) if i != finished_first)
+            assert await engine.receive_abort() == expected
+            assert client.protocol.inflight == 0
+            # late ticks for aborted children are dropped
+            await engine.send_outputs([out("p-0", [9]), out("p-3", [9])])
+            async with client.generate(make_request("after")) as s:
+                await engine.receive_add()  # the next message is not a second ABORT
+                await engine.send_tokens("after", [1], wire.FinishReason.STOP)
+                await s.receive()
+
+
+async def test_cancelling_the_parent_aborts_every_child_once():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            with trio.CancelScope() as scope:
+                async with generate_parallel(client, children(3)) as ps:
+                    for _ in range(3):
+                        await engine.receive_add()
+                    async with trio.open_nursery() as n:
+                        n.start_soon(ps.receive)
+                        await trio.testing.wait_all_tasks_blocked()
+                        scope.cancel()
+            assert scope.cancelled_caught
+            assert await engine.receive_abort() == ("p-0", "p-1", "p-2")
+            assert client.protocol.inflight == 0
+
+
+async def test_a_failing_child_aborts_its_siblings_and_the_parent_raises_one_error():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            with pytest.raises(EngineRequestError) as ei:
+                async with generate_parallel(client, children(3)) as ps:
+                    for _ in range(3):
+                        await engine.receive_add()
+                    await engine.send_outputs([out("p-0", [1]), out("p-1", [], wire.FinishReason.ERROR)])
+                    async for _ in ps:
+                        pass
+            assert ei.value.request_id == "p-1"
+            assert await engine.receive_abort() == ("p-0", "p-2")
+            assert client.protocol.inflight == 0
+
+
+async def test_engine_death_fails_the_parent_with_one_typed_error():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            with pytest.raises(EngineDeadError):
+                async with generate_parallel(client, children(2)) as ps:
+                    for _ in range(2):
+                        await engine.receive_add()
+                    await engine.send_sentinel()
+                    async for _ in ps:
+                        pass
+
+
+async def test_colliding_child_ids_are_refused_before_anything_is_sent():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            async with client.generate(make_request("p-1")):
+                await engine.receive_add()
+                with pytest.raises(DuplicateRequestIdError) as ei:
+                    async with generate_parallel(client, children(3)):
+                        pass  # pragma: no cover
+                assert ei.value.request_id == "p-1"
+                assert client.protocol.inflight == 1
+            assert await engine.receive_abort() == ("p-1",)  # only the other request's own abort
+            with pytest.raises(RequestRejected):
+                async with generate_parallel(client, []):
+                    pass  # pragma: no cover
+
+
+@st.composite
+def fanout_script(draw):
+    n = draw(st.integers(2, 5))
+    ticks = {i: draw(st.integers(1, 6)) for i in range(n)}
+    order = draw(st.permutations([i for i in range(n) for _ in range(ticks[i])]))
+    cancel_after = draw(st.integers(0, len(order)))
+    grouping = draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)))
+    return n, ticks, order, cancel_after, grouping
+
+
+@settings(max_examples=30, deadline=None)
+@given(fanout_script())
+def test_any_interleaving_and_cancellation_point(script):
+    n, ticks, order, cancel_after, grouping = script
+
+    async def main():
+        async with fake_pair() as (engine, client):
+            with trio.fail_after(GUARD):
+                sent = {i: 0 for i in range(n)}
+                got: dict[int, list[int]] = {i: [] for i in range(n)}
+                finished = set()
+                async with generate_parallel(client, children(n)) as ps:
+                    for _ in range(n):
+                        await engine.receive_add()
+                    batch = []
+                    for k, i in enumerate(order[:cancel_after]):
+                        sent[i] += 1
+                        fin = wire.FinishReason.LENGTH if sent[i] == ticks[i] else None
+                        batch.append(out(f"p-{i}", [100 * i + sent[i]], fin))
+                        if grouping[k] or k == cancel_after - 1:
+                            await engine.send_outputs(batch)
+                            batch = []
+                    # consume exactly what was sent
+                    expected_total = sum(sent.values())
+                    while sum(len(v) for v in got.values()) < expected_total:
+                        i, d = await ps.receive()
+                        got[i] += d.token_ids
+                        if d.finish_reason is not None:
+                            finished.add(i)
+                    live_at_cancel = [i for i in range(n) if i not in finished]
+                for i in range(n):
+                    assert got[i] == [100 * i + k for k in range(1, sent[i] + 1)]
+                if live_at_cancel:
+                    assert await engine.receive_abort() == tuple(f"p-{i}" for i in live_at_cancel)
+                assert client.protocol.inflight == 0
+                # nothing else was sent: the next message is this utility call
+                call = client.protocol.start_utility("is_sleeping")
+                assert (await engine.receive()).kind == wire.RequestType.UTILITY
+                client.protocol.forget_utility(call)
+
+    trio.run(main)

@@ -1,0 +1,173 @@
+"""n > 1: sibling sub-requests, merged into one stream, cancelled together.
+
+:func:`generate_parallel` submits the ``n`` single-sample requests of one
+parent (see :func:`zmqdispatch.translate.vllm.translate_parallel`) and runs
+each child stream as a sibling task in one nursery. Their deltas merge into
+the parent's :class:`ParallelStream` tagged with the child's index, in order
+within each child (no order across children).
+
+Rules (reference gateway section 1.11, known failure K6):
+
+- Admission is all or nothing: every child id is checked against the live
+  requests (and the others) before any ADD is queued.
+- An early-finishing child does not finish the parent; iteration ends when
+  every child delivered its final delta (one finish per index).
+- Leaving or cancelling the parent aborts every child still live in **one**
+  batched ABORT (one synchronous ``abort`` call before the children are
+  cancelled, so their own exits find nothing left to abort).
+- A child that fails (engine error finish, slow consumer, engine death)
+  aborts its live siblings in one batched ABORT, cancels them, and the parent
+  raises that **one** typed error, never an ``ExceptionGroup``.
+
+Backpressure: a child forwards into a channel of size ``n``; when the parent's
+consumer lags, children wait there and their engine ticks merge in their own
+mailboxes, bounded by ``ClientConfig.max_pending_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import trio
+
+from .client import EngineClient, RequestStream, _unwrap
+from .errors import DuplicateRequestIdError, RequestRejected
+from .protocol.mailbox import OutputDelta
+from .wire import vllm as wire
+
+__all__ = ["ParallelStream", "generate_parallel"]
+
+
+class ParallelStream:
+    """The merged stream of one parent's samples.
+
+    Iterate for ``(index, OutputDelta)`` pairs; iteration stops once every
+    child has delivered its final delta.
+
+    Raises (from iteration):
+        the first child's error (``EngineDeadError``, ``EngineRequestError``,
+        ``SlowConsumerError``, ...), once, after its siblings were aborted.
+    """
+
+    def __init__(self, client: EngineClient, streams: Sequence[RequestStream]) -> None:
+        self._client = client
+        self._streams = list(streams)
+        self._live: dict[int, str] = {i: s.request_id for i, s in enumerate(streams)}
+        self._scopes: list[trio.CancelScope] = [trio.CancelScope() for _ in streams]
+        self._send, self._recv = trio.open_memory_channel[tuple[int, OutputDelta]](len(streams))
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"<ParallelStream n={len(self._streams)} live={sorted(self._live)} error={self._error!r}>"
+
+    @property
+    def live_indices(self) -> list[int]:
+        """Indices whose final delta has not been received yet."""
+        return sorted(self._live)
+
+    def _abort_live(self) -> None:
+        """One batched ABORT for every live child, then cancel them all."""
+        if self._live:
+            self._client.abort(list(self._live.values()))
+            self._live.clear()
+        for scope in self._scopes:
+            scope.cancel()
+
+    async def _child(self, index: int, stream: RequestStream, send: trio.MemorySendChannel) -> None:
+        async with send:
+            with self._scopes[index]:
+                try:
+                    async with stream:
+                        async for delta in stream:
+                            if delta.finish_reason is not None:
+                                self._live.pop(index, None)
+                            await send.send((index, delta))
+                except trio.Cancelled:
+                    raise
+                except Exception as exc:
+                    if self._error is None:
+                        self._error = exc
+                    self._live.pop(index, None)
+                    self._abort_live()
+
+    async def receive(self) -> tuple[int, OutputDelta]:
+        """The next ``(index, delta)``.
+
+        Raises:
+            trio.EndOfChannel: every child finished.
+            the first child error (see the class).
+        """
+        if self._error is not None:
+            raise self._error
+        try:
+            item = await self._recv.receive()
+        except trio.EndOfChannel:
+            if self._error is not None:
+                raise self._error from None
+            raise
+        return item
+
+    def __aiter__(self) -> ParallelStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, OutputDelta]:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+@asynccontextmanager
+async def generate_parallel(
+    client: EngineClient, requests: Sequence[wire.EngineCoreRequest]
+) -> AsyncIterator[ParallelStream]:
+    """Submit the samples of one parent and merge their streams.
+
+    Args:
+        client: a connected :class:`~zmqdispatch.EngineClient`.
+        requests: the ``n`` single-sample requests, in index order (from
+            :func:`~zmqdispatch.translate.vllm.translate_parallel`).
+
+    Raises:
+        RequestRejected: ``requests`` is empty (n = 0), or one fails validation
+            (nothing is sent for any of them).
+        DuplicateRequestIdError: two children share an id, or one is live.
+        EngineDeadError: the engine is dead.
+
+    Cancellation: leaving the block (normally, on error, or cancelled) sends
+    one ABORT for the children still live.
+    """
+    if not requests:
+        raise RequestRejected("n must be >= 1: no samples requested", field="sampling_params.n")
+    ids = [r.request_id for r in requests]
+    seen: set[str] = set()
+    for rid in ids:
+        if rid in seen or client.protocol.is_live(rid):
+            raise DuplicateRequestIdError(
+                f"sample request_id {rid!r} collides with a live request or a sibling",
+                request_id=rid,
+                field="request_id",
+            )
+        seen.add(rid)
+    for r in requests:  # validate all before queuing any ADD
+        client.check_request(r)
+    streams: list[RequestStream] = []
+    try:
+        for r in requests:
+            streams.append(client.generate(r))
+    except BaseException:
+        client.abort([s.request_id for s in streams])
+        raise
+    merged = ParallelStream(client, streams)
+    try:
+        async with trio.open_nursery() as nursery:
+            async with merged._send:
+                for i, s in enumerate(streams):
+                    nursery.start_soon(merged._child, i, s, merged._send.clone())
+            try:
+                yield merged
+            finally:
+                merged._abort_live()
+    except BaseExceptionGroup as eg:
+        raise _unwrap(eg) from None
