@@ -70,6 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--top-k", type=int)
     src.add_argument("--seed", type=int)
     src.add_argument("--stop-token-ids", type=_int_list, metavar="IDS")
+    src.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable; needs --tokenizer)")
     src.add_argument("-n", "--n", type=int, dest="n", help="samples per request (fan-out)")
     src.add_argument("--no-stream", action="store_true", help="print only the complete")
     eng = g.add_argument_group("engine")
@@ -82,6 +83,8 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--eos-token-id", type=_int_list, default=[], metavar="IDS",
                      help="the model's EOS id(s), primary first (the engine has no tokenizer)")
     eng.add_argument("--max-logprobs", type=int, default=20, help="the engine's max_logprobs")
+    eng.add_argument("--tokenizer", metavar="FILE",
+                     help="tokenizer.json of the model (needs the 'tokenizers' extra); enables stop strings")
     eng.add_argument("--mock-max-model-len", type=int, default=4096, help="embedded mock only")
 
     m = sub.add_parser(
@@ -136,6 +139,8 @@ def _load_request(args: argparse.Namespace) -> pb.GenerateRequest:
         sp.seed = args.seed
     if args.stop_token_ids:
         sp.stop_token_ids.extend(args.stop_token_ids)
+    if args.stop:
+        sp.stop.extend(args.stop)
     if args.n is not None:
         if args.n < 1:
             raise RequestRejected(f"--n must be >= 1, got {args.n}", field="sampling_params.n")
@@ -182,13 +187,30 @@ async def _generate(args: argparse.Namespace, req: pb.GenerateRequest) -> int:
         builders = [t.response_builder() for t in samples]
         async with generate_parallel(client, [t.request for t in samples]) as stream:
             async for index, delta in stream:
-                for resp in builders[index].feed(delta):
+                builder = builders[index]
+                for resp in builder.feed(delta):
                     _print(resp)
+                if builder.stopped_early:  # a stop string matched: stop that sample on the engine
+                    stream.close_child(index)
     return EXIT_OK
+
+
+def _load_tokenizer(path: str | None) -> object | None:
+    if path is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise RequestRejected("--tokenizer needs the 'tokenizers' package: pip install 'zmqdispatch[tokenizers]'") from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # the library raises its own Exception type for a bad file
+        raise RequestRejected(f"--tokenizer {path!r}: cannot load: {exc}") from None
 
 
 def _translation_config(args: argparse.Namespace, max_model_len: int, engine_index: int | None) -> TranslationConfig:
     return TranslationConfig(
+        tokenizer=args.tokenizer_obj,
         max_model_len=max_model_len,
         eos_token_ids=tuple(args.eos_token_id),
         vocab_size=args.vocab_size,
@@ -227,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         req = _load_request(args)
+        args.tokenizer_obj = _load_tokenizer(args.tokenizer)
         # Proto-level checks first, so a bad request fails before an engine starts.
         translate_parallel(req, _translation_config(args, 2**31 - 1, None))
         return trio.run(_generate, args, req)

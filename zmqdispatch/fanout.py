@@ -66,6 +66,15 @@ class ParallelStream:
         """Indices whose final delta has not been received yet."""
         return sorted(self._live)
 
+    def close_child(self, index: int) -> None:
+        """Abort sample *index* now and stop forwarding its deltas (e.g. a
+        client-side stop string ended it). Synchronous, idempotent; the other
+        samples go on, and iteration ends when they are done."""
+        rid = self._live.pop(index, None)
+        if rid is not None:
+            self._client.abort([rid])
+        self._scopes[index].cancel()
+
     def _abort_live(self) -> None:
         """One batched ABORT for every live child, then cancel them all."""
         if self._live:
@@ -79,10 +88,17 @@ class ParallelStream:
             with self._scopes[index]:
                 try:
                     async with stream:
-                        async for delta in stream:
-                            if delta.finish_reason is not None:
-                                self._live.pop(index, None)
-                            await send.send((index, delta))
+                        try:
+                            async for delta in stream:
+                                if delta.finish_reason is not None:
+                                    self._live.pop(index, None)
+                                await send.send((index, delta))
+                        except trio.Cancelled:
+                            # A cancellation from outside reaches every child; the
+                            # first one to see it aborts all live siblings in one
+                            # call (one ABORT frame), before any stream exits alone.
+                            self._abort_live()
+                            raise
                 except trio.Cancelled:
                     raise
                 except Exception as exc:

@@ -157,3 +157,26 @@ def test_generate_with_n3_prints_chunks_tagged_0_to_2_and_three_completes():
         assert per_index == c["output_ids"] and len(per_index) == 4
     # seeds differ per child (seed + index), so the samples differ
     assert len({tuple(c["output_ids"]) for c in completes}) == 3
+
+
+def test_stop_strings_with_a_tokenizer_file(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers", reason="the 'tokenizers' package (test extra) is not installed")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(1000)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    base = ["generate", "--prompt-token-ids", "1,2,3", "--max-tokens", "12", "--vocab-size", "1000",
+            "--mock-max-model-len", "64", "--tokenizer", str(path)]
+    free = lines(run_cli(*base).stdout)[-1]["complete"]["output_ids"]
+    assert len(free) == 12
+    # a stop spanning tokens 3 and 4 is matched on the client; the output ends at token 4
+    stop = f"w{free[2]} w{free[3]}"
+    p = run_cli(*base, "--stop", stop)
+    assert p.returncode == 0, p.stderr
+    complete = lines(p.stdout)[-1]["complete"]
+    assert complete["output_ids"] == free[:4]
+    assert complete["finish_reason"] == "stop" and complete["matched_stop_str"] == stop

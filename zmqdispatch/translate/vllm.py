@@ -22,7 +22,13 @@ proto3 zero values (a non-optional field cannot tell "unset" from 0), the rule:
   vLLM's own defaults;
 - ``skip_special_tokens`` / ``spaces_between_special_tokens`` are taken as
   given (the engine ignores them; they only shape client-side stop-string
-  detokenisation, and a gateway builder fills them explicitly).
+  detokenisation, and a gateway builder fills them explicitly; note that
+  proto3's false differs from vLLM's default true).
+
+Stop strings need ``TranslationConfig.tokenizer``; they are matched on the
+client with vLLM's own detokenizer semantics (:mod:`.stops`), the output is
+trimmed as vLLM trims it, and the engine request is aborted once a stop
+matches (the caller leaves the stream when ``ResponseBuilder.done``).
 
 EOS, as vLLM's front end sets it (``SamplingParams.update_from_generation_config``):
 the primary EOS id rides ``_eos_token_id`` (unless ``ignore_eos``), so an EOS
@@ -46,6 +52,7 @@ from .. import limits
 from ..errors import RequestRejected
 from ..protocol.mailbox import OutputDelta
 from ..wire import vllm as wire
+from .stops import StopPlan, StopStringMatcher, resolve_stop_strings
 
 __all__ = [
     "FINISH_REASON_STRINGS",
@@ -131,9 +138,25 @@ class Translation:
     prompt_logprobs: int | None = None
     stream: bool = True
     index: int = 0
+    stop_plan: StopPlan | None = None
+    tokenizer: Any = None
 
     def response_builder(self) -> ResponseBuilder:
-        """A fresh :class:`ResponseBuilder` for this request's stream."""
+        """A fresh :class:`ResponseBuilder` for this request's stream (with a
+        stop-string matcher when the request has stop strings)."""
+        matcher = None
+        if self.stop_plan is not None and self.stop_plan.stops:
+            sp = self.request.sampling_params
+            matcher = StopStringMatcher(
+                self.tokenizer,
+                self.stop_plan.stops,
+                include_stop_str_in_output=sp.include_stop_str_in_output,
+                min_tokens=sp.min_tokens,
+                skip_special_tokens=sp.skip_special_tokens,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                prompt_token_ids=self.prompt_token_ids,
+                token_stops=self.stop_plan.token_stops,
+            )
         return ResponseBuilder(
             len(self.prompt_token_ids),
             index=self.index,
@@ -141,6 +164,7 @@ class Translation:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.prompt_token_ids,
+            stop_matcher=matcher,
         )
 
 
@@ -252,10 +276,8 @@ def translate_request(
 
     if sp.n > 1:
         raise _reject(rid, f + "n", f"n={sp.n}: use translate_parallel() for n > 1 (one request per sample)")
-    if len(sp.stop) > 0:
-        if config.tokenizer is None:
-            raise _reject(rid, f + "stop", "stop strings need a tokenizer (none configured); send stop_token_ids")
-        raise _reject(rid, f + "stop", "stop strings are not supported yet")
+    if len(sp.stop) > 0 and config.tokenizer is None:
+        raise _reject(rid, f + "stop", "stop strings need a tokenizer (none configured); send stop_token_ids")
 
     # truncate_prompt_tokens: vLLM's front end keeps the last k prompt tokens;
     # -1 means max_model_len. The engine never truncates.
@@ -314,6 +336,24 @@ def translate_request(
     # adds the primary EOS, then the other EOS ids, which also join stop_token_ids
     # (unless ignore_eos) as list(set(extras) | set(stop_token_ids)).
     user_stop = list(dict.fromkeys(sp.stop_token_ids))
+    # Stop strings never go on the wire: the engine does not detokenise, and
+    # vLLM's SamplingParams.__post_init__ (run when the engine decodes the
+    # ADD) rejects stop strings with detokenize=False, which kills its input
+    # thread. They are matched on the client (translate/stops.py); a string
+    # that is exactly one token also becomes an engine stop id when that is
+    # equivalent (StopPlan).
+    stop_plan = None
+    if len(sp.stop) > 0:
+        stop_plan = resolve_stop_strings(
+            config.tokenizer,
+            list(sp.stop),
+            stop_token_ids=user_stop,
+            min_tokens=sp.min_tokens,
+            skip_special_tokens=sp.skip_special_tokens,
+            constrained=structured is not None,
+            request_id=rid,
+        )
+        user_stop = list(stop_plan.merged_stop_token_ids(user_stop))
     primary = config.eos_token_ids[0] if config.eos_token_ids else None
     extras = [t for t in dict.fromkeys(config.eos_token_ids[1:]) if t != primary]
     all_stop: set[int] = set(user_stop)
@@ -366,6 +406,8 @@ def translate_request(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         stream=req.stream,
+        stop_plan=stop_plan,
+        tokenizer=config.tokenizer,
     )
 
 
@@ -536,7 +578,9 @@ class ResponseBuilder:
         "_plp_ids",
         "_plp_tops",
         "_input_sent",
+        "_matcher",
         "done",
+        "stopped_early",
     )
 
     def __init__(
@@ -548,7 +592,14 @@ class ResponseBuilder:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         prompt_token_ids: Sequence[int] = (),
+        stop_matcher: StopStringMatcher | None = None,
     ) -> None:
+        self._matcher = stop_matcher
+        #: True when a client-side stop string ended the stream before the
+        #: engine finished: the caller must abort the engine request (leaving
+        #: the stream's ``async with`` does; ``ParallelStream.close_child`` for
+        #: a sample).
+        self.stopped_early = False
         self._prompt_tokens = prompt_len
         self._cached = 0
         self._output_ids: list[int] = []
@@ -583,7 +634,14 @@ class ResponseBuilder:
         return pb.InputLogProbs(token_logprobs=self._plp_values, token_ids=self._plp_ids, top_logprobs=self._plp_tops)
 
     def feed(self, delta: OutputDelta) -> list[pb.GenerateResponse]:
-        """Responses for one delta: ``[]``, ``[chunk]``, ``[complete]`` or ``[chunk, complete]``."""
+        """Responses for one delta: ``[]``, ``[chunk]``, ``[complete]`` or ``[chunk, complete]``.
+
+        After the complete (``done``), further deltas give ``[]``.
+        """
+        if self.done:
+            return []
+        if self._matcher is not None:
+            delta = self._apply_stops(delta)
         if delta.num_prompt_tokens is not None:
             self._prompt_tokens = delta.num_prompt_tokens
         if delta.num_cached_tokens is not None:
@@ -617,6 +675,26 @@ class ResponseBuilder:
             self.done = True
         return out
 
+    def _apply_stops(self, delta: OutputDelta) -> OutputDelta:
+        """Client-side stop strings (vLLM's detokenizer semantics, stops.py):
+        keep the tokens up to the one that completed a match, finish with
+        STOP and the matched string."""
+        fed = self._matcher.feed_delta(delta)
+        if fed.matched is None and len(fed.token_ids) == len(delta.token_ids):
+            return delta
+        kept = len(fed.token_ids)
+        logprobs = delta.logprobs
+        if logprobs is not None:
+            logprobs = wire.LogprobsLists(
+                token_ids=logprobs.token_ids[:kept], logprobs=logprobs.logprobs[:kept], ranks=logprobs.ranks[:kept]
+            )
+        finish, stop_reason = delta.finish_reason, delta.stop_reason
+        if fed.matched is not None:
+            self.stopped_early = delta.finish_reason is None
+            finish, stop_reason = wire.FinishReason.STOP, fed.matched
+        return attrs.evolve(delta, token_ids=fed.token_ids, logprobs=logprobs, finish_reason=finish,
+                            stop_reason=stop_reason)
+
     def _complete(self, delta: OutputDelta) -> pb.GenerateResponse:
         complete = pb.GenerateComplete(
             output_ids=self._output_ids,
@@ -632,7 +710,9 @@ class ResponseBuilder:
         if inp is not None:
             complete.input_logprobs.CopyFrom(inp)
         stop = delta.stop_reason
-        if isinstance(stop, int) and not isinstance(stop, bool):
+        if delta.finish_reason is not wire.FinishReason.STOP:
+            pass  # REPETITION carries stop_reason "repetition_detected": not a matched stop
+        elif isinstance(stop, int) and not isinstance(stop, bool):
             complete.matched_token_id = stop
         elif isinstance(stop, str):
             complete.matched_stop_str = stop
