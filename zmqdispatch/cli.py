@@ -34,6 +34,7 @@ from .errors import EngineError, RequestError, RequestRejected, ZmqDispatchError
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
 from .fanout import generate_parallel
+from .protocol.checks import check_request
 from .translate.vllm import TranslationConfig, pb, translate_parallel
 
 __all__ = ["main"]
@@ -174,6 +175,7 @@ async def _generate(args: argparse.Namespace, req: pb.GenerateRequest) -> int:
         handshake_timeout=args.handshake_timeout,
         silence_timeout=args.silence_timeout,
         vocab_size=args.vocab_size,
+        max_logprobs=args.max_logprobs,
     )
     launch: str | list[str] | None
     if args.handshake_address is not None:
@@ -250,8 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         req = _load_request(args)
         args.tokenizer_obj = _load_tokenizer(args.tokenizer)
-        # Proto-level checks first, so a bad request fails before an engine starts.
-        translate_parallel(req, _translation_config(args, 2**31 - 1, None))
+        # Checks that need no engine first, so a bad request fails before one starts.
+        for sample in translate_parallel(req, _translation_config(args, 2**31 - 1, None)):
+            check_request(sample.request, max_model_len=None, vocab_size=args.vocab_size,
+                          max_logprobs=args.max_logprobs)
         return trio.run(_generate, args, req)
     except RequestRejected as exc:
         return _fail(EXIT_REJECTED, f"request rejected: {exc}")

@@ -44,6 +44,7 @@ from . import limits
 from ._zmq_trio import PeerUnreachable, SendTimeout, TrioSocket, ZmqContext, parse_monitor_event
 from .errors import (
     EngineDeadError,
+    LocalProtocolError,
     EngineHandshakeError,
     EngineHandshakeTimeout,
     RemoteProtocolError,
@@ -72,7 +73,11 @@ class ClientConfig:
         max_decode_errors: consecutive undecodable messages that mean death.
         max_pending_tokens: per-stream backlog before ``SlowConsumerError``.
         utility_timeout: default seconds a utility call waits.
-        vocab_size: when set, prompt and stop token ids are checked against it.
+        vocab_size: when set, prompt, stop, logit-bias and allowed token ids
+            are checked against it (an out-of-range id crashes a vLLM engine;
+            the engine does not report its vocabulary size).
+        max_logprobs: the engine's ``max_logprobs`` (vLLM's default 20); larger
+            logprob requests crash the engine, so they are refused.
         input_address / output_address: data-plane endpoints to bind (default:
             ``ipc://`` in a private 0700 temporary directory). Fixed addresses
             let headless engines reconnect to a restarted client.
@@ -92,6 +97,7 @@ class ClientConfig:
     max_pending_tokens: int = limits.DEFAULT_MAX_PENDING_TOKENS
     utility_timeout: float = limits.DEFAULT_UTILITY_TIMEOUT
     vocab_size: int | None = None
+    max_logprobs: int = limits.DEFAULT_MAX_LOGPROBS
     input_address: str | None = None
     output_address: str | None = None
     terminate_grace: float = limits.DEFAULT_TERMINATE_GRACE
@@ -159,7 +165,7 @@ class RequestStream:
         RequestStreamClosed: iterating a stream that was aborted.
     """
 
-    __slots__ = ("_client", "request_id", "_mailbox", "_add", "_eof", "_closed")
+    __slots__ = ("_client", "request_id", "_mailbox", "_add", "_eof", "_closed", "_entered", "_receiving")
 
     def __init__(self, client: EngineClient, request_id: str, mailbox: Mailbox, add: Outgoing) -> None:
         self._client = client
@@ -168,11 +174,16 @@ class RequestStream:
         self._add = add
         self._eof = False  # the final delta was handed to the consumer
         self._closed = False  # aborted / exited before the final delta
+        self._entered = False
+        self._receiving = False
 
     def __repr__(self) -> str:
         return f"<RequestStream {self.request_id!r} eof={self._eof} closed={self._closed} {self._mailbox!r}>"
 
     async def __aenter__(self) -> RequestStream:
+        if self._entered:
+            raise LocalProtocolError(f"request {self.request_id!r}: a stream can be entered once")
+        self._entered = True
         add = self._add
         if trio.current_effective_deadline() == -math.inf:
             # Entered from an already-cancelled scope: withdraw the ADD before
@@ -226,8 +237,27 @@ class RequestStream:
 
         Raises:
             trio.EndOfChannel: after the final delta was returned.
+            LocalProtocolError: the stream was not entered with ``async with``
+                (the request is aborted).
+            trio.BusyResourceError: another task is receiving on this stream.
             plus the errors listed on the class.
         """
+        if not self._entered:
+            # Iterating without `async with` would leave nothing to abort the
+            # request when the caller stops: refuse, and abort it now.
+            self.abort()
+            raise LocalProtocolError(
+                f"request {self.request_id!r}: enter the stream first (`async with client.generate(...) as stream`)"
+            )
+        if self._receiving:
+            raise trio.BusyResourceError(f"another task is already receiving on request {self.request_id!r}")
+        self._receiving = True
+        try:
+            return await self._receive()
+        finally:
+            self._receiving = False
+
+    async def _receive(self) -> OutputDelta:
         mb = self._mailbox
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
@@ -340,7 +370,12 @@ class EngineClient:
         Raises:
             RequestRejected / ContextLengthError: see :func:`zmqdispatch.protocol.checks.check_request`.
         """
-        check_request(request, max_model_len=self.ready.max_model_len, vocab_size=self.config.vocab_size)
+        check_request(
+            request,
+            max_model_len=self.ready.max_model_len,
+            vocab_size=self.config.vocab_size,
+            max_logprobs=self.config.max_logprobs,
+        )
 
     def generate(self, request: wire.EngineCoreRequest) -> RequestStream:
         """Validate and submit *request*; return its stream (use ``async with``).
@@ -538,8 +573,25 @@ def _unwrap(eg: BaseExceptionGroup) -> BaseException:
     return eg
 
 
+def _kill_group(proc: trio.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 async def _terminate(proc: trio.Process, grace: float) -> None:
-    """SIGTERM the process group, then SIGKILL after *grace* seconds. Shielded."""
+    """SIGTERM the process group, then SIGKILL after *grace* seconds. Shielded
+    from cancellation; a KeyboardInterrupt (a second Ctrl-C) while waiting
+    SIGKILLs the group at once, so no engine is orphaned."""
+    try:
+        await _terminate_gracefully(proc, grace)
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
     with trio.CancelScope(shield=True):
         if proc.returncode is None:
             try:
@@ -549,10 +601,7 @@ async def _terminate(proc: trio.Process, grace: float) -> None:
             with trio.move_on_after(grace):
                 await proc.wait()
         # Kill the whole group: vllm serve / EngineCore spawn workers.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(proc)
         with trio.move_on_after(2):
             await proc.wait()
 
@@ -782,10 +831,12 @@ async def connect(
                     yield client
                 finally:
                     client._closing = True
+                    # Streams still open (held by other tasks) would otherwise
+                    # keep decoding on an engine we did not start (K7).
+                    closed = EngineDeadError("the engine client is closed", engine_index=engine_index, reason="closed")
+                    protocol.abort(protocol.live_request_ids(), error=closed)
                     client._flush_aborts_nowait()
-                    protocol.engine_died(
-                        EngineDeadError("the engine client is closed", engine_index=engine_index, reason="closed")
-                    )
+                    protocol.engine_died(closed)
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
             raise _unwrap(eg) from None
@@ -799,7 +850,9 @@ async def connect(
         out.close()
         # Give queued ABORTs a moment to leave in the background.
         inp.close(linger_ms=1000)
-        if process is not None:
-            await _terminate(process, config.terminate_grace)
-        if ipc_dir is not None:
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+        try:
+            if process is not None:
+                await _terminate(process, config.terminate_grace)
+        finally:
+            if ipc_dir is not None:
+                shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from .client import EngineClient, RequestStream, _unwrap
-from .errors import DuplicateRequestIdError, RequestRejected
+from .errors import DuplicateRequestIdError, RequestRejected, RequestStreamClosed
 from .protocol.mailbox import OutputDelta
 from .wire import vllm as wire
 
@@ -57,6 +57,8 @@ class ParallelStream:
         self._scopes: list[trio.CancelScope] = [trio.CancelScope() for _ in streams]
         self._send, self._recv = trio.open_memory_channel[tuple[int, OutputDelta]](len(streams))
         self._error: BaseException | None = None
+        # children we aborted on purpose: their RequestStreamClosed is not an error
+        self._retired: set[int] = set()
 
     def __repr__(self) -> str:
         return f"<ParallelStream n={len(self._streams)} live={sorted(self._live)} error={self._error!r}>"
@@ -71,6 +73,7 @@ class ParallelStream:
         client-side stop string ended it). Synchronous, idempotent; the other
         samples go on, and iteration ends when they are done."""
         rid = self._live.pop(index, None)
+        self._retired.add(index)
         if rid is not None:
             self._client.abort([rid])
         self._scopes[index].cancel()
@@ -78,6 +81,7 @@ class ParallelStream:
     def _abort_live(self) -> None:
         """One batched ABORT for every live child, then cancel them all."""
         if self._live:
+            self._retired.update(self._live)
             self._client.abort(list(self._live.values()))
             self._live.clear()
         for scope in self._scopes:
@@ -102,6 +106,8 @@ class ParallelStream:
                 except trio.Cancelled:
                     raise
                 except Exception as exc:
+                    if isinstance(exc, RequestStreamClosed) and index in self._retired:
+                        return  # we aborted it on purpose
                     if self._error is None:
                         self._error = exc
                     self._live.pop(index, None)

@@ -36,6 +36,14 @@ MAX_TOKENS_PER_TICK = 4096
 #: request, so we keep a gateway-sized bound.
 MAX_PARALLEL_SAMPLES = 128
 
+#: vLLM's default ``ModelConfig.max_logprobs``: an engine started without
+#: ``--max-logprobs`` sends ENGINE_CORE_DEAD for a larger logprob count.
+DEFAULT_MAX_LOGPROBS = 20
+
+#: Largest token id (and token count) an engine output may carry: the gateway
+#: protos carry token ids as uint32.
+MAX_TOKEN_ID = 2**32 - 1
+
 # ---------------------------------------------------------------- connection defaults
 
 #: Seconds allowed for the whole HELLO / INIT / READY / ready-response exchange.

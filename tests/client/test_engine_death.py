@@ -60,14 +60,21 @@ async def test_sentinel_fails_all_streams_and_refuses_new_ones():
                 await client.call_utility("is_sleeping")
 
 
-async def test_garbage_streak_means_death():
+async def test_garbage_fails_open_streams_and_a_streak_means_death():
+    from zmqdispatch import RemoteProtocolError
+
     async with fake_pair(max_decode_errors=3) as (engine, client):
         with trio.fail_after(GUARD):
             (s,) = await open_streams(client, engine, 1)
-            for _ in range(3):
+            await engine.send_raw([b"\xc1\xc1"])  # could have carried r0's tokens
+            with pytest.raises(RemoteProtocolError):
+                await s.receive()
+            assert await engine.receive_abort() == ("r0",)
+            assert client.is_alive
+            for _ in range(2):
                 await engine.send_raw([b"\xc1\xc1"])
-            await expect_all_dead([s], "decode_errors")
-            assert client.protocol.decode_errors == 3
+            cause = await client.wait_dead()
+            assert cause.reason == "decode_errors" and client.protocol.decode_errors == 3
 
 
 @pytest.fixture

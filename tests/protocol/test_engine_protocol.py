@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+import msgpack
+
 from zmqdispatch.errors import (
     DuplicateRequestIdError,
     EngineDeadError,
     EngineRequestError,
+    RemoteProtocolError,
     SlowConsumerError,
     UtilityCallError,
 )
@@ -179,21 +182,54 @@ def test_tokens_before_death_are_delivered_then_the_error():
         mb.take()
 
 
-def test_a_streak_of_undecodable_messages_means_death_but_one_does_not():
+def test_an_undecodable_message_fails_live_requests_and_a_streak_kills_the_link():
     p = EngineProtocol(max_decode_errors=3)
     mb, _ = p.submit(make_request("r1"))
     sent(p)
-    p.frames_received([b"\xc1"])
-    p.frames_received([b"\xc1"])
-    p.frames_received(outputs_frames([out("r1", [1])]))  # resets the streak
+    p.frames_received(outputs_frames([out("r1", [1])]))
+    p.frames_received([b"\xc1"])  # it may have carried r1's next tokens or its finish
+    assert mb.take().token_ids == [1]
+    with pytest.raises(RemoteProtocolError, match="undecodable"):
+        mb.take()
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("r1",))]
+    assert p.state.value == "READY" and p.inflight == 0
+    mb2, _ = p.submit(make_request("r2"))
+    sent(p)
+    p.frames_received(outputs_frames([out("r2", [5])]))  # a good message resets the streak
     p.frames_received([b"\xc1"])
     p.frames_received([b"not msgpack at all \xc1"])
-    assert p.decode_errors == 4 and p.state.value == "READY"
-    p.frames_received([b"\x93\x01"])  # truncated array
+    assert p.decode_errors == 3 and p.state.value == "READY"
+    p.frames_received([b"\x93\x01"])  # third in a row: truncated array
     assert p.state.value == "DEAD" and p.death.reason == "decode_errors"
-    assert mb.take().token_ids == [1]
     with pytest.raises(EngineDeadError):
-        mb.take()
+        p.submit(make_request("r3"))
+
+
+def test_a_bad_row_fails_only_its_request_and_the_others_keep_their_tokens():
+    p = EngineProtocol()
+    a, _ = p.submit(make_request("a"))
+    b, _ = p.submit(make_request("b"))
+    sent(p)
+    raw = msgpack.packb([0, [["a", [1, 2]] + [None] * 16, ["b", [-7]] + [None] * 16], None, 1.0])
+    p.frames_received([raw])
+    assert a.take().token_ids == [1, 2]
+    with pytest.raises(RemoteProtocolError, match="new_token_ids"):
+        b.take()
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("b",))]
+    assert p.inflight == 1 and p.bad_rows == 1 and p.state.value == "READY"
+
+
+def test_a_bad_row_without_an_id_fails_every_request_missing_from_the_message():
+    p = EngineProtocol()
+    boxes = {rid: p.submit(make_request(rid))[0] for rid in ("a", "b", "c")}
+    sent(p)
+    raw = msgpack.packb([0, [["a", [1]] + [None] * 16, [None, [2]] + [None] * 16], None, 1.0])
+    p.frames_received([raw])
+    assert boxes["a"].take().token_ids == [1]
+    for rid in ("b", "c"):
+        with pytest.raises(RemoteProtocolError):
+            boxes[rid].take()
+    assert p.inflight == 1
 
 
 def test_slow_consumer_is_failed_and_aborted_alone():

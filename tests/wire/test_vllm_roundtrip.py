@@ -14,6 +14,8 @@ import math
 import struct
 
 import attrs
+import re
+
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -184,7 +186,7 @@ def outputs(with_error: bool) -> st.SearchStrategy:
         new_prompt_logprobs_tensors=opt(logprobs_lists()),
         pooling_output=opt(tensors()),
         finish_reason=opt(st.sampled_from(list(w.FinishReason))),
-        stop_reason=opt(int64 | text),
+        stop_reason=opt(token | text),
         events=opt(st.lists(events, max_size=2)),
         kv_transfer_params=opt(scalar_maps),
         ec_transfer_params=opt(scalar_maps),
@@ -636,13 +638,25 @@ def _row(**changes: object) -> list:
         (_row(O_STOP_REASON=1.5), "stop_reason"),
         (_row(O_STOP_REASON=[7]), "stop_reason"),
         (_row(O_PREFILL_STATS=[5]), "prefill_stats"),
+        (_row(O_PREFILL_STATS={"num_prompt_tokens": -1}), "prefill_stats"),
+        (_row(O_PREFILL_STATS={"num_cached_tokens": "3"}), "prefill_stats"),
+        (_row(O_STOP_REASON=-5), "stop_reason"),
+        (_row(O_NEW_TOKEN_IDS=[2**32]), "new_token_ids"),
         (["r"], "row"),
         ("r", "row"),
     ],
 )
 def test_bad_rows_name_the_field(row: object, field: str) -> None:
-    with pytest.raises(RemoteProtocolError, match=f"outputs\\[0\\]\\.{field}"):
-        w.decode_outputs([msgpack.packb([0, [row], None, 1.0])])
+    # A bad row is set aside with its request id (when readable); the good rows
+    # of the same message are still decoded.
+    good = _row()
+    msg = w.decode_outputs([msgpack.packb([0, [good, row], None, 1.0])])
+    assert len(msg.outputs) == 1 and msg.outputs[0][0] == "r"
+    ((rid, err),) = msg.bad_rows
+    assert isinstance(err, RemoteProtocolError)
+    assert re.search(f"outputs\\[1\\]\\.{field}", str(err))
+    expected_rid = row[0] if isinstance(row, list) and row and isinstance(row[0], str) else None
+    assert rid == expected_rid
 
 
 @pytest.mark.parametrize(
@@ -679,8 +693,9 @@ def test_limits_are_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
         w.decode_outputs(frames)
     monkeypatch.undo()
     monkeypatch.setattr(limits, "MAX_TOKENS_PER_TICK", 2)
-    with pytest.raises(RemoteProtocolError, match="new_token_ids"):
-        w.decode_outputs(frames)
+    msg = w.decode_outputs(frames)  # each over-long row is set aside with its request id
+    assert msg.outputs == () and [rid for rid, _ in msg.bad_rows] == ["0", "1", "2"]
+    assert all("new_token_ids" in str(err) for _, err in msg.bad_rows)
     monkeypatch.undo()
     monkeypatch.setattr(limits, "MAX_FRAME_BYTES", len(frames[0]) - 1)
     with pytest.raises(RemoteProtocolError, match="MAX_FRAME_BYTES"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from .. import limits
 from ..errors import ContextLengthError, RequestRejected
 from ..wire import vllm as wire
 
@@ -22,6 +23,8 @@ __all__ = ["check_request", "check_sampling_params"]
 
 # vLLM's SamplingParams._verify_args bounds (vllm/sampling_params.py, 0.32.0).
 _PENALTY_RANGE = (-2.0, 2.0)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**64 - 1  # what msgpack and torch.manual_seed take
+DEFAULT_MAX_LOGPROBS = limits.DEFAULT_MAX_LOGPROBS
 _TEMPERATURE_MAX = 2.0
 _INT32_MAX = 2**31 - 1
 
@@ -38,8 +41,20 @@ def _is_num(v: object) -> bool:
     return (type(v) is float or type(v) is int) and math.isfinite(v)
 
 
-def check_sampling_params(sp: wire.SamplingParams, *, request_id: str = "") -> None:
+def check_sampling_params(
+    sp: wire.SamplingParams,
+    *,
+    request_id: str = "",
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    vocab_size: int | None = None,
+) -> None:
     """Apply vLLM's own ``SamplingParams`` checks that the engine enforces.
+
+    The engine runs ``SamplingParams.__post_init__`` / ``_verify_args`` when it
+    decodes an ADD (vLLM 0.32.0 ``vllm/sampling_params.py``); any failure
+    there kills its input thread, so each of those checks is repeated here,
+    plus the values that crash the engine later (logprob counts above
+    ``max_logprobs``, token ids outside the vocabulary).
 
     Raises:
         RequestRejected: with ``field`` = ``"sampling_params.<name>"``.
@@ -73,10 +88,42 @@ def check_sampling_params(sp: wire.SamplingParams, *, request_id: str = "") -> N
         raise bad("min_tokens", f"must be <= max_tokens={sp.max_tokens}, got {sp.min_tokens}")
     if sp.seed is not None and not _is_int(sp.seed):
         raise bad("seed", f"must be an int or unset, got {sp.seed!r}")
+    if sp.n != 1:
+        raise bad("n", f"must be 1 on the wire, got {sp.n!r}: fan n > 1 out with zmqdispatch.fanout.generate_parallel")
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(sp, name)
-        if v is not None and (not _is_int(v) or v < -1):
-            raise bad(name, f"must be an int >= 0, or -1 for the whole vocabulary, got {v!r}")
+        if v is None:
+            continue
+        if not _is_int(v) or not 0 <= v <= max_logprobs:
+            # The engine sends ENGINE_CORE_DEAD for a count above its
+            # max_logprobs; -1 ("whole vocabulary") is refused explicitly.
+            raise bad(name, f"must be an int in [0, {max_logprobs}] (max_logprobs), got {v!r}")
+    if sp.seed is not None and not _INT64_MIN <= sp.seed <= _INT64_MAX:
+        raise bad("seed", f"must fit in 64 bits, got {sp.seed}")
+    if sp.stream_interval is not None and (not _is_int(sp.stream_interval) or sp.stream_interval < 1):
+        raise bad("stream_interval", f"must be an int >= 1, got {sp.stream_interval!r}")
+    if sp.stop:
+        # The engine never applies stop strings (vLLM's front end does, on
+        # detokenised text), and with detokenize=False vLLM's own checks
+        # reject them in the engine's input thread: never send them.
+        raise bad("stop", "stop strings are matched on the client (translate with a tokenizer), not sent")
+    if any(not isinstance(x, str) or not x for x in sp.bad_words):
+        raise bad("bad_words", "must be non-empty strings")
+    tb = sp.thinking_token_budget
+    if tb is not None and (not _is_int(tb) or tb < -1):
+        raise bad("thinking_token_budget", f"must be an int >= 0, or -1 for unlimited, got {tb!r}")
+    if sp.logit_bias is not None:
+        for tok, bias in sp.logit_bias.items():
+            if not _is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                raise bad("logit_bias", f"key {tok!r} is not a vocabulary token id")
+            if not _is_num(bias):
+                raise bad("logit_bias", f"bias for token {tok} must be a finite number, got {bias!r}")
+    if sp.allowed_token_ids is not None:
+        if len(sp.allowed_token_ids) == 0:
+            raise bad("allowed_token_ids", "must not be empty")
+        for t in sp.allowed_token_ids:
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise bad("allowed_token_ids", f"{t!r} is not a vocabulary token id")
     for name in ("stop_token_ids", "all_stop_token_ids"):
         ids = getattr(sp, name)
         if any(not _is_int(t) or t < 0 for t in ids):
@@ -90,6 +137,7 @@ def check_request(
     *,
     max_model_len: int | None,
     vocab_size: int | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> None:
     """Check one ``EngineCoreRequest`` against the wire schema, vLLM's
     ``SamplingParams`` checks, the context length and the vocabulary.
@@ -98,7 +146,9 @@ def check_request(
         max_model_len: the engine's context length (from its ready response);
             ``None`` skips the context checks.
         vocab_size: when known, every prompt and stop token id must be below it
-            (an out-of-range prompt id crashes the real engine).
+            (an out-of-range prompt id crashes the real engine). Without it,
+            token ids cannot be checked: set it for untrusted input.
+        max_logprobs: the engine's ``max_logprobs`` (vLLM's default 20).
 
     Raises:
         RequestRejected: the first problem found, naming the field.
@@ -108,6 +158,10 @@ def check_request(
     rid = request.request_id
     if type(rid) is not str or not rid:
         raise _reject("", "request_id", f"must be a non-empty str, got {rid!r}")
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _reject("", "request_id", "must be valid UTF-8 text (no lone surrogates)") from None
     prompt = request.prompt_token_ids
     if prompt is None or len(prompt) == 0:
         raise _reject(rid, "prompt_token_ids", "must be a non-empty list of token ids")
@@ -123,7 +177,7 @@ def check_request(
     sp = request.sampling_params
     if sp is None:
         raise _reject(rid, "sampling_params", "must be set (vLLM fails a generate request without them)")
-    check_sampling_params(sp, request_id=rid)
+    check_sampling_params(sp, request_id=rid, max_logprobs=max_logprobs, vocab_size=vocab_size)
     if vocab_size is not None:
         for name in ("stop_token_ids", "all_stop_token_ids"):
             for t in getattr(sp, name):

@@ -38,7 +38,15 @@ from typing import Any
 import attrs
 
 from .. import limits
-from ..errors import DuplicateRequestIdError, EngineDeadError, RemoteProtocolError, UtilityCallError
+from ..errors import (
+    DuplicateRequestIdError,
+    EngineDeadError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    RequestRejected,
+    RequestStreamClosed,
+    UtilityCallError,
+)
 from ..wire import vllm as wire
 from .mailbox import PUT_MORE, PUT_OVERFLOW, Mailbox
 
@@ -151,6 +159,7 @@ class EngineProtocol:
         self.decode_error_streak = 0
         self.messages_received = 0
         self.aborts_sent = 0
+        self.bad_rows = 0
         self.last_decode_error: RemoteProtocolError | None = None
 
     def __repr__(self) -> str:
@@ -170,6 +179,10 @@ class EngineProtocol:
     def pending_utility_calls(self) -> int:
         """Utility calls awaiting a reply."""
         return len(self._utility)
+
+    def live_request_ids(self) -> list[str]:
+        """Ids of every live request, in submission order."""
+        return list(self._requests)
 
     def is_live(self, request_id: str) -> bool:
         """True while *request_id* is registered on this link."""
@@ -199,7 +212,7 @@ class EngineProtocol:
         Raises:
             EngineDeadError: the engine is dead.
             DuplicateRequestIdError: the id is live on this link.
-            LocalProtocolError: the request cannot be encoded.
+            RequestRejected: the request cannot be encoded (e.g. an int beyond 64 bits).
         """
         self.check_alive()
         rid = request.request_id
@@ -210,7 +223,10 @@ class EngineProtocol:
                 request_id=rid,
                 field="request_id",
             )
-        frames = wire.encode_request(request)
+        try:
+            frames = wire.encode_request(request)
+        except LocalProtocolError as exc:
+            raise RequestRejected(f"request cannot be encoded for the engine: {exc}", request_id=rid) from exc
         out = Outgoing([self.identity, _ADD, *frames], rid)
         mb = mailbox if mailbox is not None else Mailbox(rid, self.max_pending_tokens)
         self._requests[rid] = _Entry(mb, out)
@@ -218,18 +234,23 @@ class EngineProtocol:
         self._wake_sender()
         return mb, out
 
-    def abort(self, request_ids: Iterable[str]) -> None:
+    def abort(self, request_ids: Iterable[str], error: BaseException | None = None) -> None:
         """Retire live requests and make sure the engine stops them.
 
-        Synchronous, idempotent, never raises: unknown or finished ids are
-        ignored. Safe to call from a cancelled task's cleanup.
+        A consumer still reading one of them gets *error* (default
+        :class:`~zmqdispatch.errors.RequestStreamClosed`) after any tokens
+        already delivered, so nobody waits on a request that will never
+        finish. Synchronous, idempotent, never raises: unknown or finished ids
+        are ignored. Safe to call from a cancelled task's cleanup.
         """
         woke = False
         for rid in request_ids:
             entry = self._requests.pop(rid, None)
             if entry is None:
                 continue
-            entry.mailbox.finished = True
+            entry.mailbox.fail(
+                error if error is not None else RequestStreamClosed(f"request {rid!r} was aborted", request_id=rid)
+            )
             if entry.add.state is SendState.QUEUED:
                 entry.add._settle(SendState.CANCELLED)  # never reaches the engine
             elif self.state is LinkState.READY:
@@ -332,7 +353,6 @@ class EngineProtocol:
             return
         try:
             msg = wire.decode_outputs(frames)
-            self._route(msg, frames)
         except RemoteProtocolError as exc:
             self.decode_errors += 1
             self.decode_error_streak += 1
@@ -346,8 +366,14 @@ class EngineProtocol:
                         reason="decode_errors",
                     )
                 )
+            else:
+                # The message may have carried tokens of any live request: fail
+                # them rather than let a stream silently miss tokens or wait for
+                # a final output that was in it.
+                self._fail_requests(list(self._requests), exc)
             return
         self.decode_error_streak = 0
+        self._route(msg, frames)
 
     def _route(self, msg: wire.EngineCoreOutputs, frames: list[bytes]) -> None:
         requests = self._requests
@@ -371,6 +397,17 @@ class EngineProtocol:
                 del requests[rid]
                 if status == PUT_OVERFLOW:
                     (to_abort := to_abort or []).append(rid)
+        if msg.bad_rows:
+            self.bad_rows += len(msg.bad_rows)
+            unattributed = [exc for rid, exc in msg.bad_rows if rid is None]
+            for rid, exc in msg.bad_rows:
+                if rid is not None and rid in requests:
+                    self._fail_requests([rid], exc)
+            if unattributed:
+                # A row without a readable id may have been any request that got
+                # no valid row in this message (one row per request per step).
+                seen = {row[0] for row in msg.outputs}
+                self._fail_requests([rid for rid in requests if rid not in seen], unattributed[0])
         if msg.finished_requests:
             # Engine-generated finishes may list ids without a terminal row
             # (SMG lesson 11b: retire the union of both).
@@ -394,6 +431,21 @@ class EngineProtocol:
                 else:
                     call.result = None if uo.result is None else uo.result.value
                 call._settle()
+
+    def _fail_requests(self, request_ids: list[str], exc: RemoteProtocolError) -> None:
+        """Fail these live requests with *exc* (after tokens they already have)
+        and abort them on the engine: their outputs can no longer be trusted."""
+        woke = False
+        for rid in request_ids:
+            entry = self._requests.pop(rid, None)
+            if entry is None:
+                continue
+            entry.mailbox.fail(RemoteProtocolError(f"request {rid!r}: undecodable engine output: {exc}"))
+            if self.state is LinkState.READY and entry.add.state is not SendState.QUEUED:
+                self._pending_aborts[rid] = None
+                woke = True
+        if woke:
+            self._wake_sender()
 
     # ------------------------------------------------------------------ death
 

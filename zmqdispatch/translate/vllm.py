@@ -77,9 +77,7 @@ FINISH_REASON_STRINGS = {
     wire.FinishReason.REPETITION: "stop",
 }
 
-#: vLLM's default ``max_logprobs`` (ModelConfig): the most logprobs per
-#: position an engine serves unless started with a larger ``--max-logprobs``.
-DEFAULT_MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = limits.DEFAULT_MAX_LOGPROBS
 
 #: Below this temperature vLLM samples greedily (``vllm/sampling_params.py`` ``_SAMPLING_EPS``).
 _SAMPLING_EPS = 1e-5

@@ -903,6 +903,10 @@ class EngineCoreOutputs:
         wave_complete / start_wave: MoE-DP wave control, or None.
         weight_version: ``"default"`` on step outputs, None on utility/abort/error messages.
         frames: the message's frames, to resolve aux-frame tensors lazily.
+        bad_rows: rows that failed the checks above, as ``(request_id or None,
+            RemoteProtocolError)``: one bad row does not sink the others, and
+            the caller can fail exactly the request it belonged to (or, with no
+            readable id, every request that got no valid row).
     """
 
     engine_index: int = 0
@@ -915,6 +919,7 @@ class EngineCoreOutputs:
     start_wave: int | None = None
     weight_version: str | None = None
     frames: Sequence[bytes] = ()
+    bad_rows: tuple[tuple[str | None, RemoteProtocolError], ...] = ()
 
 
 def is_dead_sentinel(frames: Sequence[bytes]) -> bool:
@@ -995,41 +1000,71 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
         raise RemoteProtocolError("EngineCoreOutputs.weight_version: expected a str or nil")
 
     # The per-row loop: type() identity tests only, locals for every global, no
-    # per-token objects. Error messages are built only on failure.
+    # per-token objects. Error messages are built only on failure; a bad row is
+    # set aside (with its request id when readable), the others go on.
     max_tokens = _limits.MAX_TOKENS_PER_TICK
+    max_id = _limits.MAX_TOKEN_ID
     pads = _ROW_PADS
     row_len = ROW_LEN
     _tuple, _int, _str, _dict = tuple, int, str, dict
     out = []
     append = out.append
-    for row in rows:
+    bad: list[tuple[str | None, RemoteProtocolError]] | None = None
+    for i, row in enumerate(rows):
+        problem = None
         if type(row) is not _tuple or len(row) < 2:
-            raise _bad_output(len(out), "row: expected an array of >= 2 elements")
-        toks = row[1]
-        if type(row[0]) is not _str:
-            raise _bad_output(len(out), "request_id: expected a str")
-        if type(toks) is not _tuple or len(toks) > max_tokens:
-            raise _bad_output(len(out), f"new_token_ids: expected an array of at most {max_tokens} ints")
-        for t in toks:
-            if type(t) is not _int or t < 0:
-                raise _bad_output(len(out), f"new_token_ids: {t!r} is not a non-negative int")
-        n = len(row)
-        if n < row_len:
-            row += pads[n]
-        fr = row[5]
-        if fr is not None and (type(fr) is not _int or fr < 0 or fr > 4):
-            raise _bad_output(len(out), f"finish_reason: {fr!r} is not nil or 0..4")
-        sr = row[6]
-        if sr is not None and type(sr) is not _int and type(sr) is not _str:
-            raise _bad_output(len(out), "stop_reason: expected nil, an int or a str")
-        ps = row[11]
-        if ps is not None and type(ps) is not _dict:
-            raise _bad_output(len(out), "prefill_stats: expected a map or nil")
-        append(row)
+            problem = "row: expected an array of >= 2 elements"
+        elif type(row[0]) is not _str:
+            problem = "request_id: expected a str"
+        else:
+            toks = row[1]
+            if type(toks) is not _tuple or len(toks) > max_tokens:
+                problem = f"new_token_ids: expected an array of at most {max_tokens} ints"
+            else:
+                for t in toks:
+                    if type(t) is not _int or t < 0 or t > max_id:
+                        problem = f"new_token_ids: {t!r} is not a token id (0..{max_id})"
+                        break
+            if problem is None:
+                n = len(row)
+                if n < row_len:
+                    row += pads[n]
+                fr = row[5]
+                sr = row[6]
+                ps = row[11]
+                if fr is not None and (type(fr) is not _int or fr < 0 or fr > 4):
+                    problem = f"finish_reason: {fr!r} is not nil or 0..4"
+                elif sr is not None and type(sr) is not _str and (type(sr) is not _int or sr < 0 or sr > max_id):
+                    problem = "stop_reason: expected nil, a token id or a str"
+                elif ps is not None and (type(ps) is not _dict or not _prefill_stats_ok(ps, max_id)):
+                    problem = "prefill_stats: expected nil or a map of non-negative int counts"
+        if problem is None:
+            append(row)
+        else:
+            rid = row[0] if type(row) is _tuple and row and type(row[0]) is _str else None
+            (bad := bad or []).append((rid, _bad_output(i, problem)))
 
     return EngineCoreOutputs(
-        engine_index, tuple(out), stats, timestamp, utility, finished, wave_complete, start_wave, weight_version, frames
+        engine_index,
+        tuple(out),
+        stats,
+        timestamp,
+        utility,
+        finished,
+        wave_complete,
+        start_wave,
+        weight_version,
+        frames,
+        tuple(bad) if bad else (),
     )
+
+
+def _prefill_stats_ok(ps: dict, max_count: int) -> bool:
+    for key in ("num_prompt_tokens", "num_cached_tokens"):
+        v = ps.get(key)
+        if v is not None and (type(v) is not int or v < 0 or v > max_count):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- logprobs
