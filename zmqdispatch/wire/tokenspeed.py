@@ -1,0 +1,1278 @@
+"""Sans-IO codec of TokenSpeed's direct msgpack ZMQ wire (TokenSpeed 0.1.1, ``--zmq-msgpack``).
+
+Everything here turns typed values into frames and frames into typed values; nothing
+touches a socket. Sources of the format (facts, not code): ``tokenspeed_wire.md``
+section 1 and ``reference_gateway.md`` section 3, checked against TokenSpeed 0.1.1's own
+wire modules (``runtime/engine/{zmq_wire,zmq_msgpack,io_struct}.py``,
+``runtime/sampling/sampling_params.py``). :func:`encode_add`, :func:`encode_outputs`,
+:func:`encode_abort` and :func:`encode_hello` reproduce that encoder's golden bytes
+(``tests/wire/vectors/tokenspeed_0.1.1.json``) byte for byte.
+
+What TokenSpeed shares with vLLM's EngineCore, and is therefore reused from
+:mod:`zmqdispatch.wire.vllm`: the socket topology and 2-byte identities, the HELLO /
+INIT / READY handshake maps, the ready-response map (TokenSpeed names ``block_size``
+``prefix_granularity``; :func:`decode_ready_response` reads either), the ABORT payload
+(an array of request-id strings) and the raw ``ENGINE_CORE_DEAD`` sentinel frame. The
+``0x00`` ADD / ``0x01`` ABORT type bytes have vLLM's values too, but TokenSpeed knows
+no other type, so :class:`RequestType` here has only those two.
+
+What differs (all here):
+
+- ADD payload: the msgspec *tagged* array ``["TokenizedGenerateReqInput", rid, ...]``
+  (tag + 24 fields in 0.1.1) with a nested *untagged* 29-element ``SamplingParams``
+  array. Decoders take any prefix of at least 6 elements (up to ``sampling_params``)
+  and ignore extra trailing elements; the nested arrays are prefix tolerant as well.
+- Output: one single-frame ``["BatchTokenIDOutSlim", rids, output_ids, finished_reasons,
+  prompt_tokens, completion_tokens, cached_tokens, logprob_vals, logprob_ids,
+  engine_index, num_running, num_waiting, kv_active_pages, kv_total_pages]`` per
+  scheduler step; columns are parallel to ``rids``. Older engines sent the 9- (no
+  ``engine_index``) and 10-element (no load) prefixes; those still decode.
+- No utility, wave, health or control messages exist on this wire.
+
+Type rules (msgspec's, which TokenSpeed's decoder applies): bool fields refuse ints,
+int fields refuse floats and bools, float fields accept ints, strings are msgpack
+``str`` (never ``bin``), map keys of ``logit_bias`` / ``custom_params`` are strings.
+Floats are written as float64, ints in their smallest form.
+
+Errors: every decoder raises only :class:`~zmqdispatch.errors.RemoteProtocolError` for
+bytes that do not decode; every encoder raises
+:class:`~zmqdispatch.errors.LocalProtocolError` for a value the wire cannot carry.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import itertools
+import zlib
+from typing import Any, Callable, Iterator, Sequence
+
+import attrs
+import msgpack
+
+from zmqdispatch import limits as _limits
+from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
+from zmqdispatch.wire import vllm as _vllm
+from zmqdispatch.wire.tensors import Tensor, encode_tensor, ext_hook
+
+__all__ = [
+    # constants
+    "TOKENSPEED_VERSION",
+    "RequestType",
+    "parse_request_type",
+    "ENGINE_CORE_DEAD",
+    "is_dead_sentinel",
+    "REQUEST_TAG",
+    "BATCH_TAG",
+    "TOP_K_DISABLED",
+    "TOP_K_FUSED_MAX",
+    "SAMPLING_EPS",
+    "FORCE_STREAM_INTERVAL",
+    "SAMPLING_PARAMS_LEN",
+    "REQUEST_ELEMENTS",
+    "REQUEST_MIN_ELEMENTS",
+    "BATCH_ELEMENTS",
+    "BATCH_MIN_ELEMENTS",
+    "FINISH_RUNNING",
+    "FINISH_STOP",
+    "FINISH_LENGTH",
+    "FINISH_ABORT",
+    # requests
+    "TokenSpeedSamplingParams",
+    "SessionParams",
+    "TokenizedGenerateReqInput",
+    "encode_add",
+    "decode_add",
+    "finalize_add",
+    "admission_error",
+    "decode_input",
+    "encode_abort",
+    "decode_abort",
+    # outputs
+    "TokenSpeedBatch",
+    "TokenSpeedOutput",
+    "LoadSnapshot",
+    "decode_outputs",
+    "encode_outputs",
+    # handshake
+    "encode_hello",
+    "encode_ready",
+    "decode_handshake_status",
+    "encode_init",
+    "decode_init",
+    "EngineCoreReadyResponse",
+    "READY_DTYPES",
+    "encode_ready_response",
+    "decode_ready_response",
+    "is_tokenspeed",
+]
+
+#: The TokenSpeed release whose wire this module speaks (and whose vectors it matches).
+TOKENSPEED_VERSION = "0.1.1"
+
+# =========================================================================== constants
+
+
+class RequestType(enum.IntEnum):
+    """Request-type byte, the first frame of every input message (``zmq_wire.REQ_TYPE_*``).
+
+    The values coincide with vLLM's ``ADD``/``ABORT``; TokenSpeed has no other type and
+    drops (with only a log line) any message whose first frame is anything else.
+    ``.frame`` is the one-byte frame.
+    """
+
+    ADD = 0
+    ABORT = 1
+
+    @property
+    def frame(self) -> bytes:
+        """The one-byte frame for this type (``b"\\x00"`` for ADD)."""
+        return _TYPE_FRAMES[self]
+
+
+_TYPE_FRAMES = {t: bytes((t,)) for t in RequestType}
+
+
+def parse_request_type(frame: bytes) -> RequestType:
+    """Read the request-type frame of an input message (used by the mock engine).
+
+    Raises:
+        RemoteProtocolError: the frame is not exactly ``b"\\x00"`` or ``b"\\x01"``
+            (TokenSpeed drops such a message without a reply).
+    """
+    if len(frame) != 1 or frame[0] > 1:
+        raise RemoteProtocolError(f"invalid TokenSpeed request type frame {bytes(frame)[:8]!r}")
+    return RequestType(frame[0])
+
+
+#: The raw 16-byte frame TokenSpeed pushes (best effort, NOBLOCK) when its event loop
+#: closes on shutdown or crash. Identical to vLLM's.
+ENGINE_CORE_DEAD = _vllm.ENGINE_CORE_DEAD
+is_dead_sentinel = _vllm.is_dead_sentinel
+
+#: Element 0 of an ADD payload.
+REQUEST_TAG = "TokenizedGenerateReqInput"
+#: Element 0 of an output batch.
+BATCH_TAG = "BatchTokenIDOutSlim"
+
+#: ``top_k`` value meaning "disabled" after TokenSpeed's derivation (the API's -1).
+TOP_K_DISABLED = 1 << 30
+#: A finite ``top_k`` must stay below this (TokenSpeed's fused top-k/top-p kernel limit).
+TOP_K_FUSED_MAX = 128
+#: A temperature below this means greedy (temperature 1.0, top_k 1, seed 0).
+SAMPLING_EPS = 1e-6
+#: A non-streaming request still emits at its first token and every this many tokens
+#: (TokenSpeed ``DEFAULT_FORCE_STREAM_INTERVAL``); for the mock engine.
+FORCE_STREAM_INTERVAL = 50
+
+#: Positions of the nested ``SamplingParams`` array in 0.1.1.
+SAMPLING_PARAMS_LEN = 29
+#: Elements of a full 0.1.1 ADD payload (tag + 24 fields).
+REQUEST_ELEMENTS = 25
+#: Shortest ADD payload TokenSpeed decodes: tag .. ``sampling_params`` (no default).
+REQUEST_MIN_ELEMENTS = 6
+#: Elements of a 0.1.1 output batch (tag + 13 fields).
+BATCH_ELEMENTS = 14
+#: Shortest output batch that decodes: tag + the 8 columns without a default.
+BATCH_MIN_ELEMENTS = 9
+
+#: ``finished_reasons`` entry of a request that is still running.
+FINISH_RUNNING = ""
+#: Matched stop token / EOS / stop string / grammar termination (the token is in ``output_ids``).
+FINISH_STOP = "stop"
+#: ``max_new_tokens`` reached.
+FINISH_LENGTH = "length"
+#: Any engine-side abort: ingress validation failure, grammar failure, pause-abort. A
+#: client ABORT produces no frame at all.
+FINISH_ABORT = "abort"
+
+
+# =========================================================================== helpers
+
+
+class _Bad(Exception):
+    """A value failed a field check; the message is completed with the field path."""
+
+
+def _tname(v: Any) -> str:
+    return type(v).__name__
+
+
+def _pack(obj: Any) -> bytes:
+    # use_bin_type: bytes -> bin, str -> str; use_single_float=False: every float is
+    # float64 ("cb"), as msgspec writes Python floats.
+    try:
+        return msgpack.packb(obj, use_bin_type=True, use_single_float=False, datetime=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"value cannot be encoded as msgpack: {exc}") from None
+
+
+def _unpack(payload: Any, what: str) -> Any:
+    """One msgpack document -> Python (arrays as tuples); every failure as RemoteProtocolError."""
+    try:
+        if len(payload) > _limits.MAX_FRAME_BYTES:
+            raise RemoteProtocolError(f"{what}: frame of {len(payload)} bytes exceeds MAX_FRAME_BYTES")
+        return msgpack.unpackb(payload, use_list=False, raw=False, strict_map_key=False, ext_hook=ext_hook)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises ValueError/TypeError/StackError/...: all "undecodable"
+        raise RemoteProtocolError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+# Field kinds: each checks one value (decoded, or handed to an encoder) and returns it
+# normalised, or raises _Bad. Same rules both ways, so whatever encodes also decodes.
+
+
+def _k_any(v: Any) -> Any:
+    return v
+
+
+def _k_int(v: Any) -> int:
+    if type(v) is int:
+        return v
+    raise _Bad(f"expected an int, got {_tname(v)}")
+
+
+def _k_float(v: Any) -> float:
+    t = type(v)
+    if t is float:
+        return v
+    if t is int:  # msgspec float fields accept ints
+        try:
+            return float(v)
+        except OverflowError:
+            raise _Bad("int too large for a float") from None
+    raise _Bad(f"expected a float, got {_tname(v)}")
+
+
+def _k_bool(v: Any) -> bool:
+    if type(v) is bool:
+        return v
+    raise _Bad(f"expected a bool, got {_tname(v)}")
+
+
+def _k_str(v: Any) -> str:
+    if type(v) is str:
+        return v
+    raise _Bad(f"expected a str, got {_tname(v)}")
+
+
+def _k_opt(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        return None if v is None else kind(v)
+
+    return check
+
+
+def _k_seq(kind: Callable[[Any], Any]) -> Callable[[Any], tuple]:
+    def check(v: Any) -> tuple:
+        if type(v) not in (list, tuple):
+            raise _Bad(f"expected an array, got {_tname(v)}")
+        return tuple([kind(x) for x in v])
+
+    return check
+
+
+def _k_array(v: Any) -> tuple:
+    if type(v) not in (list, tuple):
+        raise _Bad(f"expected an array, got {_tname(v)}")
+    return tuple(v)
+
+
+def _k_map(v: Any) -> dict:
+    if type(v) is not dict:
+        raise _Bad(f"expected a map, got {_tname(v)}")
+    return v
+
+
+def _k_str_map(v: Any) -> dict:
+    m = _k_map(v)
+    for k in m:
+        if type(k) is not str:
+            raise _Bad(f"map keys must be str, got {_tname(k)}")
+    return m
+
+
+def _k_float_map(v: Any) -> dict:
+    # logit_bias: dict[str, float] -- keys are stringified token ids.
+    m = _k_str_map(v)
+    return {k: _k_float(x) for k, x in m.items()}
+
+
+def _k_str_or_strs(v: Any) -> str | tuple[str, ...]:
+    # stop / stop_strs: str | list[str] (nil handled by _k_opt)
+    return v if type(v) is str else _k_seq(_k_str)(v)
+
+
+def _k_id_set(v: Any) -> tuple[int, ...]:
+    # stop_token_ids is a Python set in TokenSpeed: msgspec builds it from the array
+    # (duplicates collapse) and writes it in set-iteration order. Order carries no
+    # meaning (the engine tests membership) and CPython's set order depends on how the
+    # set was built, so we keep first occurrences in wire order: deterministic and
+    # idempotent.
+    return tuple(dict.fromkeys(_k_seq(_k_int)(v)))
+
+
+_opt_int = _k_opt(_k_int)
+_opt_str = _k_opt(_k_str)
+_int_seq = _k_seq(_k_int)
+
+
+def _conv_float(v: Any) -> Any:
+    # attrs converter: an int given for a float field is stored (and written) as a float.
+    return float(v) if type(v) is int else v
+
+
+def _conv_tuple(v: Any) -> Any:
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _conv_id_set(v: Any) -> Any:
+    if isinstance(v, (set, frozenset)):
+        return tuple(v)  # set-iteration order, what TokenSpeed's encoder writes
+    return _conv_tuple(v)
+
+
+def _conv_nested_tuple(v: Any) -> Any:
+    return tuple(_conv_tuple(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _conv_float_map(v: Any) -> Any:
+    return {k: _conv_float(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+
+def _field(default: Any = attrs.NOTHING, kind: Callable = _k_any, *, converter: Callable | None = None) -> Any:
+    return attrs.field(default=default, metadata={"kind": kind}, converter=converter)
+
+
+def _spec(cls: type) -> list[tuple[str, Any, Callable]]:
+    """(name, default, kind) per field, in declaration (= wire) order."""
+    cached = cls.__dict__.get("_wire_spec_cache")
+    if cached is None:
+        cached = [(f.name, f.default, f.metadata["kind"]) for f in attrs.fields(cls)]
+        type.__setattr__(cls, "_wire_spec_cache", cached)
+    return cached
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and a == b)
+
+
+def _positional(cls: type, arr: Any, what: str, *, min_len: int = 0, nested: dict | None = None) -> Any:
+    """Decode an array_like struct: prefix tolerant, extra trailing elements ignored."""
+    if type(arr) not in (tuple, list):
+        raise _Bad(f"expected an array, got {_tname(arr)}")
+    if len(arr) < min_len:
+        raise _Bad(f"expected an array of at least {min_len} elements, got {len(arr)}")
+    kwargs = {}
+    for (name, _default, kind), v in zip(_spec(cls), arr):
+        if nested and name in nested:
+            kwargs[name] = nested[name](v)
+            continue
+        try:
+            kwargs[name] = kind(v)
+        except _Bad as exc:
+            raise _Bad(f"{what}.{name}: {exc}") from None
+    return cls(**kwargs)
+
+
+def _to_positional(obj: Any, what: str) -> list:
+    out = []
+    for name, _default, kind in _spec(type(obj)):
+        try:
+            out.append(kind(getattr(obj, name)))
+        except _Bad as exc:
+            raise LocalProtocolError(f"{what}.{name}: {exc}") from None
+    return out
+
+
+# =========================================================================== SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class TokenSpeedSamplingParams:
+    """TokenSpeed 0.1.1 ``SamplingParams``: all 29 positions, in wire order, TokenSpeed defaults.
+
+    Wire form: an *untagged* positional array of all 29 fields (nested in the ADD
+    payload). Decoding is prefix tolerant (even ``[]`` decodes to the defaults) and
+    ignores extra trailing elements.
+
+    This class holds exactly what travels, nothing is derived at construction (unlike
+    TokenSpeed's struct, whose ``__post_init__`` runs on construction and decode). The
+    engine's three derivation steps are explicit methods:
+
+    - :meth:`derive` -- ``__post_init__`` (skipped when ``is_normalized``): ``stop_strs =
+      stop``; ``stop_token_ids`` deduplicated, empty -> None; ``temperature < 1e-6`` ->
+      temperature 1.0 and top_k 1 (any temperature below that, negatives included);
+      ``top_k == 1`` -> ``seed = 0`` (even an explicit seed); ``top_k == -1`` ->
+      :data:`TOP_K_DISABLED`.
+    - :meth:`resolve_seed` -- a nil seed becomes ``crc32(rid utf-8)``.
+    - :meth:`normalize` -- :meth:`derive`, then ``stop_strs`` as a list (``[]`` when nil),
+      ``stop_str_max_len`` = longest stop string in characters (no tokenizer on this
+      path), ``is_normalized = True``. A sender that sends ``is_normalized = True`` must
+      have derived (TokenSpeed keeps a normalized ``top_k = -1`` as -1).
+
+    :meth:`validation_error` mirrors ``SamplingParams.verify``; the engine turns a failure
+    into a terminal ``"abort"`` frame. Sequences are tuples; ``stop`` and ``stop_strs``
+    keep a lone ``str`` a ``str`` (it travels as one). An int given for a float field is
+    stored as a float.
+    """
+
+    max_new_tokens: int | None = _field(None, _opt_int)
+    stop: str | tuple[str, ...] | None = _field(None, _k_opt(_k_str_or_strs), converter=_conv_tuple)
+    stop_token_ids: tuple[int, ...] | None = _field(None, _k_opt(_k_id_set), converter=_conv_id_set)
+    temperature: float = _field(1.0, _k_float, converter=_conv_float)
+    top_p: float = _field(1.0, _k_float, converter=_conv_float)
+    top_k: int = _field(-1, _k_int)
+    min_p: float = _field(0.0, _k_float, converter=_conv_float)
+    frequency_penalty: float = _field(0.0, _k_float, converter=_conv_float)
+    presence_penalty: float = _field(0.0, _k_float, converter=_conv_float)
+    repetition_penalty: float = _field(1.0, _k_float, converter=_conv_float)
+    min_new_tokens: int = _field(0, _k_int)
+    json_schema: str | None = _field(None, _opt_str)
+    regex: str | None = _field(None, _opt_str)
+    ebnf: str | None = _field(None, _opt_str)
+    structural_tag: str | None = _field(None, _opt_str)
+    ignore_eos: bool = _field(False, _k_bool)
+    skip_special_tokens: bool = _field(True, _k_bool)
+    spaces_between_special_tokens: bool = _field(True, _k_bool)
+    no_stop_trim: bool = _field(False, _k_bool)
+    thinking_budget: int | None = _field(None, _opt_int)
+    custom_params: dict[str, Any] | None = _field(None, _k_opt(_k_str_map))
+    stream_interval: int | None = _field(None, _opt_int)
+    logit_bias: dict[str, float] | None = _field(None, _k_opt(_k_float_map), converter=_conv_float_map)
+    seed: int | None = _field(None, _opt_int)
+    logprobs: int | None = _field(None, _opt_int)
+    n: int = _field(1, _k_int)
+    stop_strs: str | tuple[str, ...] | None = _field(None, _k_opt(_k_str_or_strs), converter=_conv_tuple)
+    stop_str_max_len: int = _field(0, _k_int)
+    is_normalized: bool = _field(False, _k_bool)
+
+    def derive(self) -> "TokenSpeedSamplingParams":
+        """What TokenSpeed's ``__post_init__`` makes of these values (run on every decode).
+
+        A no-op when ``is_normalized``; idempotent otherwise.
+        """
+        if self.is_normalized:
+            return self
+        changes: dict[str, Any] = {"stop_strs": self.stop}
+        changes["stop_token_ids"] = _k_id_set(self.stop_token_ids) if self.stop_token_ids else None
+        temperature, top_k, seed = self.temperature, self.top_k, self.seed
+        if temperature < SAMPLING_EPS:
+            temperature, top_k = 1.0, 1
+        if top_k == 1:
+            seed = 0  # greedy: TokenSpeed pins the seed so exact ties break the same way
+        if top_k == -1:
+            top_k = TOP_K_DISABLED
+        changes.update(temperature=temperature, top_k=top_k, seed=seed)
+        return attrs.evolve(self, **changes)
+
+    def resolve_seed(self, rid: str) -> "TokenSpeedSamplingParams":
+        """A nil seed becomes ``crc32(rid.encode("utf-8"))`` (so the rid fixes the random stream)."""
+        if self.seed is not None:
+            return self
+        return attrs.evolve(self, seed=zlib.crc32(rid.encode("utf-8")) & 0xFFFFFFFF)
+
+    def normalize(self) -> "TokenSpeedSamplingParams":
+        """:meth:`derive` then TokenSpeed's ``normalize(tokenizer=None)``; sets ``is_normalized``."""
+        sp = self.derive()
+        strs = sp.stop_strs
+        if strs is None:
+            return attrs.evolve(sp, stop_strs=(), stop_str_max_len=0, is_normalized=True)
+        if type(strs) is str:
+            strs = (strs,)
+        max_len = max((len(s) for s in strs), default=0)
+        return attrs.evolve(sp, stop_strs=strs, stop_str_max_len=max_len, is_normalized=True)
+
+    def validation_error(self, vocab_size: int | None = None) -> str | None:
+        """Why TokenSpeed's ``verify(vocab_size)`` refuses these values, or None.
+
+        Checks run on the values as they are (call on :meth:`derive`'d params to see
+        what the engine sees). ``vocab_size=None`` skips the ``logit_bias`` range check
+        but still requires integer keys >= 0.
+        """
+        if self.temperature < 0.0:
+            return f"temperature must be non-negative, got {self.temperature}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if self.top_k < -1 or self.top_k == 0:
+            return f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"
+        if self.top_k != TOP_K_DISABLED and self.top_k >= TOP_K_FUSED_MAX:
+            return f"top_k must be < {TOP_K_FUSED_MAX} (fused kernel limit) or -1, got {self.top_k}"
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+        if not 0.0 <= self.repetition_penalty <= 2.0:
+            return f"repetition_penalty must be in [0, 2], got {self.repetition_penalty}"
+        if self.min_new_tokens < 0:
+            return f"min_new_tokens must be >= 0, got {self.min_new_tokens}"
+        if self.max_new_tokens is not None:
+            if self.max_new_tokens < 0:
+                return f"max_new_tokens must be >= 0, got {self.max_new_tokens}"
+            if self.min_new_tokens > self.max_new_tokens:
+                return f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
+        if self.logit_bias is not None:
+            for key in self.logit_bias:
+                try:
+                    token = int(key)  # TokenSpeed parses the string key with int()
+                except ValueError:
+                    return f"logit_bias key {key!r} is not a token id"
+                if token < 0 or (vocab_size is not None and token >= vocab_size):
+                    return f"logit_bias keys must be token ids in [0, vocab_size), got {key!r}"
+        if self.logprobs is not None and self.logprobs != 0:
+            return f"logprobs={self.logprobs} is not supported (only nil or 0)"
+        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
+            return "only one of json_schema, regex and ebnf can be set"
+        return None
+
+    def _to_wire(self) -> list:
+        return _to_positional(self, "sampling_params")
+
+
+def _decode_sampling_params(v: Any) -> TokenSpeedSamplingParams:
+    sp = _positional(TokenSpeedSamplingParams, v, "sampling_params")
+    return sp.derive()  # msgspec runs __post_init__ on decode
+
+
+def _k_sampling_params(v: Any) -> TokenSpeedSamplingParams:
+    if isinstance(v, TokenSpeedSamplingParams):
+        return v
+    raise _Bad(f"expected TokenSpeedSamplingParams, got {_tname(v)}")
+
+
+# =========================================================================== ADD
+
+
+@attrs.frozen(kw_only=True)
+class SessionParams:
+    """``TokenizedGenerateReqInput.session_params``: an untagged array ``[id, rid, offset,
+    replace]``, prefix tolerant. Sessions do not exist on this path: a non-nil ``id``
+    makes the engine abort the request."""
+
+    id: str | None = _field(None, _opt_str)
+    rid: str | None = _field(None, _opt_str)
+    offset: int | None = _field(None, _opt_int)
+    replace: bool | None = _field(None, _k_opt(_k_bool))
+
+
+def _k_session(v: Any) -> Any:
+    if v is None or isinstance(v, SessionParams):
+        return v
+    return _positional(SessionParams, v, "session_params")
+
+
+def _k_multimodal(v: Any) -> Any:
+    # MultimodalInputs is an untagged array whose first field (mm_items) has no
+    # default, so TokenSpeed needs at least one element. Kept as raw msgpack values.
+    if v is None:
+        return None
+    if type(v) not in (list, tuple) or not v:
+        raise _Bad("expected a non-empty array or nil")
+    return v
+
+
+@attrs.frozen(kw_only=True)
+class TokenizedGenerateReqInput:
+    """TokenSpeed 0.1.1 ``TokenizedGenerateReqInput``, the ADD payload (tag + 24 fields).
+
+    Wire form: ``["TokenizedGenerateReqInput", rid, http_worker_ipc, input_text,
+    input_ids, [29 sampling values], return_logprob, ...]`` in this field order
+    (``BaseReq``'s ``rid``/``http_worker_ipc`` first). Only ``sampling_params`` has no
+    default. On this path ``rid`` must be a str (TokenSpeed derives the seed from it),
+    ``input_ids`` carries the prompt (``input_text`` is unused), and the engine checks
+    neither prompt length, empty prompts nor duplicate rids: the frontend must.
+
+    Engine-side meaning of the knobs (section 1.9 of ``tokenspeed_wire.md``):
+    ``return_logprob`` needs ``--enable-output-logprobs``; with it, ``top_logprobs_num``
+    != 0, a non-empty ``token_ids_logprob`` or a ``logprob_start_len`` that asks for
+    prompt logprobs abort the request. ``stream`` only changes the emission cadence.
+    ``bootstrap_*`` are PD rendezvous fields, ``data_parallel_rank`` is not used for
+    routing here, ``validation_error`` (set by a sender) forces an abort.
+    ``multimodal_inputs`` is kept as raw msgpack values (tensors inside may be
+    :class:`~zmqdispatch.wire.tensors.Tensor` objects when encoding).
+    """
+
+    rid: str = _field(kind=_k_str)
+    http_worker_ipc: str | None = _field(None, _opt_str)
+    input_text: str | None = _field(None, _opt_str)
+    input_ids: tuple[int, ...] | None = _field(None, _k_opt(_int_seq), converter=_conv_tuple)
+    sampling_params: TokenSpeedSamplingParams = _field(kind=_k_sampling_params)
+    return_logprob: bool = _field(False, _k_bool)
+    logprob_start_len: int = _field(-1, _k_int)
+    top_logprobs_num: int = _field(0, _k_int)
+    token_ids_logprob: tuple[int, ...] | None = _field(None, _k_opt(_int_seq), converter=_conv_tuple)
+    stream: bool = _field(False, _k_bool)
+    input_embeds: tuple[Any, ...] | None = _field(None, _k_opt(_k_array), converter=_conv_tuple)
+    session_params: SessionParams | None = _field(None, _k_session)
+    custom_logit_processor: str | None = _field(None, _opt_str)
+    return_hidden_states: bool = _field(False, _k_bool)
+    created_time: float = _field(0.0, _k_float, converter=_conv_float)
+    bootstrap_host: str | None = _field(None, _opt_str)
+    bootstrap_port: int | None = _field(None, _opt_int)
+    bootstrap_room: int | None = _field(None, _opt_int)
+    input_multi_ids: tuple[tuple[int, ...], ...] | None = _field(
+        None, _k_opt(_k_seq(_int_seq)), converter=_conv_nested_tuple
+    )
+    input_extra_infos: tuple[dict, ...] | None = _field(None, _k_opt(_k_seq(_k_map)), converter=_conv_tuple)
+    input_ids_unpadded: tuple[int, ...] | None = _field(None, _k_opt(_int_seq), converter=_conv_tuple)
+    multimodal_inputs: Any = _field(None, _k_multimodal)
+    validation_error: str | None = _field(None, _opt_str)
+    data_parallel_rank: int | None = _field(None, _opt_int)
+
+
+_REQUEST_SPEC = _spec(TokenizedGenerateReqInput)
+assert len(_REQUEST_SPEC) == REQUEST_ELEMENTS - 1
+assert len(_spec(TokenSpeedSamplingParams)) == SAMPLING_PARAMS_LEN
+
+
+def _prep(v: Any, aux: list) -> Any:
+    """Wire form of an opaque value, routing any Tensor inside through the tensor codec."""
+    if v is None or type(v) in (int, float, str, bool, bytes):
+        return v
+    if isinstance(v, Tensor):
+        return encode_tensor(v.dtype, v.shape, v.data, aux, torch=v.is_torch)
+    if isinstance(v, (list, tuple)):
+        return [_prep(x, aux) for x in v]
+    if isinstance(v, dict):
+        return {k: _prep(x, aux) for k, x in v.items()}
+    return v
+
+
+def encode_add(req: TokenizedGenerateReqInput, *, elements: int = REQUEST_ELEMENTS) -> list[bytes]:
+    """Encode an ADD payload: ``[payload, *aux]`` (send after ``RequestType.ADD.frame``).
+
+    The payload is the tagged array TokenSpeed's ``MsgpackEncoder`` writes: by default
+    all 25 elements (``dc0019``...), the nested sampling array always all 29. A shorter
+    ``elements`` (>= 6) writes that prefix, e.g. 11 as SMG does (tag .. ``stream``) or 24
+    for an engine older than ``data_parallel_rank``; the fields left out must hold
+    their defaults (the engine would default them). Aux frames appear only for tensors
+    inside ``multimodal_inputs`` (256 bytes or more).
+
+    Raises:
+        LocalProtocolError: a field of the wrong type (the message names it), a dropped
+            field that is not at its default, or an ``elements`` outside 6..25.
+    """
+    if not isinstance(req, TokenizedGenerateReqInput):
+        raise LocalProtocolError(f"expected a TokenizedGenerateReqInput, got {_tname(req)}")
+    if not REQUEST_MIN_ELEMENTS <= elements <= REQUEST_ELEMENTS:
+        raise LocalProtocolError(f"elements must be in {REQUEST_MIN_ELEMENTS}..{REQUEST_ELEMENTS}, got {elements}")
+    aux: list[Any] = []
+    body: list[Any] = [REQUEST_TAG]
+    for i, (name, default, kind) in enumerate(_REQUEST_SPEC, start=1):
+        v = getattr(req, name)
+        if i >= elements:
+            if not _same(v, default):
+                raise LocalProtocolError(
+                    f"TokenizedGenerateReqInput.{name} is set but a {elements}-element payload does not carry it"
+                )
+            continue
+        try:
+            v = kind(v)
+        except _Bad as exc:
+            raise LocalProtocolError(f"TokenizedGenerateReqInput.{name}: {exc}") from None
+        if name == "sampling_params":
+            body.append(v._to_wire())
+        elif name == "session_params" and v is not None:
+            body.append(_to_positional(v, "session_params"))
+        elif name == "multimodal_inputs":
+            body.append(_prep(v, aux))
+        else:
+            body.append(v)
+    return [_pack(body), *aux]
+
+
+def decode_add(frames: Sequence[bytes]) -> TokenizedGenerateReqInput:
+    """Decode an ADD message ``[payload, *aux]`` the way TokenSpeed's typed decoder does.
+
+    Mirrors ``MsgpackDecoder(TokenizedGenerateReqInput)``: the tag must match, at least 6
+    elements (through ``sampling_params``), missing trailing fields take their defaults,
+    extra trailing elements (request and sampling array) are ignored, and the sampling
+    params come back :meth:`~TokenSpeedSamplingParams.derive`'d, as TokenSpeed's
+    ``__post_init__`` leaves them. It does not finalize (see :func:`finalize_add`).
+
+    One deliberate difference: TokenSpeed's decoder also admits a nil or list ``rid``,
+    whose finalization then fails (the frame is dropped); here a non-str ``rid`` is
+    refused outright.
+
+    Raises:
+        RemoteProtocolError: not msgpack, not a tagged array of >= 6 elements, a wrong
+            tag, a field of the wrong type (the message names it), a pickle ext type.
+    """
+    if not frames:
+        raise RemoteProtocolError("TokenizedGenerateReqInput: no payload frame")
+    for f in frames[1:]:
+        if len(f) > _limits.MAX_FRAME_BYTES:
+            raise RemoteProtocolError("TokenizedGenerateReqInput: aux frame exceeds MAX_FRAME_BYTES")
+    obj = _unpack(frames[0], "TokenizedGenerateReqInput")
+    if type(obj) is not tuple or not obj:
+        raise RemoteProtocolError("TokenizedGenerateReqInput: expected a tagged array")
+    if obj[0] != REQUEST_TAG or type(obj[0]) is not str:
+        raise RemoteProtocolError(f"wrong msgspec tag: expected {REQUEST_TAG!r}, got {obj[0]!r:.60}")
+    if len(obj) < REQUEST_MIN_ELEMENTS:
+        raise RemoteProtocolError(
+            f"TokenizedGenerateReqInput: missing positional field "
+            f"{_REQUEST_SPEC[len(obj) - 1][0]!r} (got {len(obj)} elements, need >= {REQUEST_MIN_ELEMENTS})"
+        )
+    try:
+        return _positional(
+            TokenizedGenerateReqInput,
+            obj[1:],
+            "TokenizedGenerateReqInput",
+            nested={"sampling_params": _nested_sampling},
+        )
+    except _Bad as exc:
+        raise RemoteProtocolError(str(exc)) from None
+
+
+def _nested_sampling(v: Any) -> TokenSpeedSamplingParams:
+    try:
+        return _decode_sampling_params(v)
+    except _Bad as exc:
+        msg = str(exc)
+        if not msg.startswith("sampling_params"):
+            msg = f"sampling_params: {msg}"
+        raise _Bad(f"TokenizedGenerateReqInput.{msg}") from None
+
+
+def finalize_add(req: TokenizedGenerateReqInput) -> TokenizedGenerateReqInput:
+    """What TokenSpeed's msgpack transport does to a decoded ADD before admitting it.
+
+    ``resolve_seed(rid)``, then ``normalize()``, then ``n != 1`` sets ``validation_error``
+    (overwriting one the sender set) so the request ends in a terminal ``"abort"``
+    instead of being dropped.
+    """
+    sp = req.sampling_params.resolve_seed(req.rid).normalize()
+    changes: dict[str, Any] = {"sampling_params": sp}
+    if sp.n != 1:
+        changes["validation_error"] = f"n={sp.n} is not supported on the msgpack wire; fan out n > 1 in the frontend"
+    return attrs.evolve(req, **changes)
+
+
+def admission_error(
+    req: TokenizedGenerateReqInput,
+    *,
+    vocab_size: int | None,
+    enable_output_logprobs: bool = False,
+    supports_prompt_logprobs: bool = False,
+) -> str | None:
+    """Why TokenSpeed admits this (finalized) request pre-aborted, or None.
+
+    The checks of its ingress (``tokenspeed_wire.md`` 1.9) in one place, for a mock
+    engine (which answers with one terminal ``"abort"`` frame carrying no tokens) and
+    for a client that wants a real error message first: a truthy ``validation_error``;
+    with ``return_logprob``: the server flag, ``top_logprobs_num != 0``, a non-empty
+    ``token_ids_logprob``, nil ``input_ids``, a ``logprob_start_len`` below -1, at or past
+    the prompt end, or asking for prompt logprobs (any start before the last prompt
+    token); then ``SamplingParams.verify``; then a non-nil ``session_params.id``. The
+    reason text never reaches the wire.
+    """
+    if req.validation_error:
+        return req.validation_error
+    if req.return_logprob:
+        if not enable_output_logprobs:
+            return "logprobs were requested but the engine runs without --enable-output-logprobs"
+        if req.top_logprobs_num:
+            return "top_logprobs_num != 0 (top-k output logprobs) is not supported"
+        if req.token_ids_logprob:
+            return "token_ids_logprob is not supported"
+        if req.input_ids is None:
+            return "return_logprob requires token inputs"
+        n = len(req.input_ids)
+        start = req.logprob_start_len
+        if start == -1:
+            start = max(n - 1, 0)
+        elif start < -1:
+            return f"logprob_start_len must be -1 or >= 0, got {start}"
+        elif start >= n:
+            return f"logprob_start_len ({start}) must be smaller than the prompt length ({n})"
+        if start < n - 1:
+            if not supports_prompt_logprobs:
+                return "prompt logprobs are not supported by this engine"
+            return "prompt logprobs are not carried on the msgpack output wire; use logprob_start_len=-1"
+    reason = req.sampling_params.validation_error(vocab_size)
+    if reason is not None:
+        return reason
+    if req.session_params is not None and req.session_params.id is not None:
+        return f"session id {req.session_params.id} does not exist"
+    return None
+
+
+def decode_input(frames: Sequence[bytes]) -> tuple[RequestType, TokenizedGenerateReqInput | tuple[str, ...]]:
+    """Decode one input message ``[type, payload, *aux]`` as TokenSpeed's receiver does.
+
+    ADD -> ``(RequestType.ADD, finalize_add(decode_add(...)))``; ABORT ->
+    ``(RequestType.ABORT, request_ids)``. For the mock engine, which must drop (log,
+    no reply) whatever this refuses.
+
+    Raises:
+        RemoteProtocolError: fewer than 2 frames, an unknown type byte, or a payload
+            that does not decode.
+    """
+    if len(frames) < 2:
+        raise RemoteProtocolError(f"TokenSpeed input needs >= 2 frames (type, payload), got {len(frames)}")
+    rtype = parse_request_type(frames[0])
+    if rtype is RequestType.ADD:
+        return rtype, finalize_add(decode_add(frames[1:]))
+    return rtype, decode_abort(frames[1])
+
+
+def encode_abort(request_ids: Sequence[str]) -> bytes:
+    """ABORT payload: a msgpack array of request-id strings (``["r1"]`` -> ``91a27231``).
+
+    Send after ``RequestType.ABORT.frame``. TokenSpeed then never sends another frame
+    for those rids, not even a terminal one: retire them locally when sending. An
+    abort for an unknown rid is parked by the engine for 300 s and applied if that rid
+    arrives later. Raises LocalProtocolError for a bare str or a non-str id.
+    """
+    return _vllm.encode_abort(request_ids)
+
+
+def decode_abort(payload: bytes) -> tuple[str, ...]:
+    """Decode an ABORT payload into request ids. Raises RemoteProtocolError."""
+    return _vllm.decode_abort(payload)
+
+
+# =========================================================================== outputs
+
+
+@attrs.frozen
+class LoadSnapshot:
+    """The scheduler load an output batch carries (only when ``kv_total_pages > 0``).
+
+    Recorded each scheduler round, so only as fresh as the last output: an idle engine
+    sends nothing. ``kv_usage`` = active / total pages.
+    """
+
+    engine_index: int
+    num_running: int
+    num_waiting: int
+    kv_active_pages: int
+    kv_total_pages: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_active_pages / self.kv_total_pages
+
+
+@attrs.frozen
+class TokenSpeedOutput:
+    """One request's slice of a batch (a convenience view; the hot path reads columns).
+
+    ``finish_reason`` is None while running, else the wire string (``"stop"``,
+    ``"length"``, ``"abort"``; other strings are passed through).
+    """
+
+    rid: str
+    output_ids: tuple[int, ...]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprob_vals: tuple[float, ...]
+    logprob_ids: tuple[int, ...]
+
+
+@attrs.define(slots=True, kw_only=True)
+class TokenSpeedBatch:
+    """One decoded output message (TokenSpeed 0.1.1 ``BatchTokenIDOutSlim``).
+
+    Every column is a tuple parallel to ``rids`` (checked). Attributes:
+        engine_index: the producing rank's identity index (the output PULL carries no
+            identity); 0 on a 9-element legacy batch.
+        rids: requests that emit this step (each rid at most once per batch in practice).
+        output_ids: per rid, the tokens generated since its previous frame (several with
+            speculative decoding; the token that caused a ``"stop"`` is included).
+        finished_reasons: per rid, ``""`` while running, else ``"stop"``/``"length"``/
+            ``"abort"``. Exactly one non-empty reason per request, on its last frame.
+        prompt_tokens: per rid, the prompt length (multimodal: padded).
+        completion_tokens: per rid, the *cumulative* generated count.
+        cached_tokens: per rid, prefix-cache hit tokens.
+        logprob_vals / logprob_ids: per rid, the sampled tokens' logprobs (float) and ids,
+            parallel to each other; ``()`` when the request did not ask. They may be
+            shorter than ``output_ids`` (TokenSpeed ships one less when a PD prefill peer
+            sent no logprob for its bootstrap token).
+        num_running, num_waiting, kv_active_pages, kv_total_pages: the load snapshot;
+            ``kv_total_pages == 0`` means none (always so on 9/10-element batches).
+        wire_elements: how many array elements the message had (9, 10, 14, or more from
+            a newer engine); not part of equality.
+    """
+
+    engine_index: int = 0
+    rids: tuple[str, ...] = ()
+    output_ids: tuple[tuple[int, ...], ...] = ()
+    finished_reasons: tuple[str, ...] = ()
+    prompt_tokens: tuple[int, ...] = ()
+    completion_tokens: tuple[int, ...] = ()
+    cached_tokens: tuple[int, ...] = ()
+    logprob_vals: tuple[tuple[float, ...], ...] = ()
+    logprob_ids: tuple[tuple[int, ...], ...] = ()
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_active_pages: int = 0
+    kv_total_pages: int = 0
+    wire_elements: int = attrs.field(default=BATCH_ELEMENTS, eq=False)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    @property
+    def load(self) -> LoadSnapshot | None:
+        """The load snapshot, or None when the batch carries none (``kv_total_pages == 0``)."""
+        if self.kv_total_pages <= 0:
+            return None
+        return LoadSnapshot(
+            self.engine_index, self.num_running, self.num_waiting, self.kv_active_pages, self.kv_total_pages
+        )
+
+    def finished_rids(self) -> tuple[str, ...]:
+        """Rids whose reason is non-empty (there is no separate finished list on this wire)."""
+        return tuple([r for r, f in zip(self.rids, self.finished_reasons) if f])
+
+    def outputs(self) -> Iterator[TokenSpeedOutput]:
+        """Per-request views, in column order."""
+        for row in zip(
+            self.rids,
+            self.output_ids,
+            self.finished_reasons,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+            self.logprob_vals,
+            self.logprob_ids,
+        ):
+            yield TokenSpeedOutput(row[0], row[1], row[2] or None, *row[3:])
+
+
+_COLUMNS = (
+    "rids",
+    "output_ids",
+    "finished_reasons",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "logprob_vals",
+    "logprob_ids",
+)
+_SCALARS = ("engine_index", "num_running", "num_waiting", "kv_active_pages", "kv_total_pages")
+# _TAIL_PADS[n] pads an n-element batch (9 <= n < 14) to 14 with the defaults (0).
+_TAIL_PADS = {n: (0,) * (BATCH_ELEMENTS - n) for n in range(BATCH_MIN_ELEMENTS, BATCH_ELEMENTS)}
+_STR_T = {str}
+_INT_T = {int}
+_TUPLE_T = {tuple}
+_NUM_T = {int, float}
+
+
+def _bad_batch(what: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"BatchTokenIDOutSlim.{what}")
+
+
+def _first_bad(col: Sequence[Any], ok: Callable[[Any], bool]) -> int:
+    return next((i for i, x in enumerate(col) if not ok(x)), -1)
+
+
+def _max_token_id() -> int:
+    # Token ids and counts travel on as uint32 (the gateway protos), so larger ones are
+    # refused here rather than failing later outside the RemoteProtocolError contract.
+    return getattr(_limits, "MAX_TOKEN_ID", 2**32 - 1)
+
+
+_U32 = array.array("I").itemsize == 4
+
+
+def _out_of_range(values: Callable[[], Any], bound: int) -> bool:
+    """True if some int of ``values()`` is outside 0..bound (types already checked).
+
+    For the usual uint32 bound, one ``array("I", ...)`` conversion (C-level, refuses
+    negatives and anything above 2**32-1) replaces a ``min`` and a ``max`` pass.
+    """
+    if bound == 0xFFFFFFFF and _U32:
+        try:
+            array.array("I", values())
+        except OverflowError:
+            return True
+        return False
+    return min(values(), default=0) < 0 or max(values(), default=0) > bound
+
+
+def _check_flat_column(name: str, col: Any, m: int, types: set, *, bound: int | None) -> None:
+    if type(col) is not tuple or len(col) != m:
+        raise _bad_batch(f"{name}: expected an array of {m} elements (ragged columns), got "
+                         f"{len(col) if type(col) is tuple else _tname(col)}")
+    if not set(map(type, col)) <= types:
+        i = _first_bad(col, lambda x: type(x) in types)
+        raise _bad_batch(f"{name}[{i}]: expected {'/'.join(sorted(t.__name__ for t in types))}, got {_tname(col[i])}")
+    if bound is not None and m and _out_of_range(lambda: col, bound):
+        i = _first_bad(col, lambda x: 0 <= x <= bound)
+        raise _bad_batch(f"{name}[{i}]: {col[i]} is not in 0..{bound}")
+
+
+def _check_nested_column(name: str, col: Any, m: int, types: set, *, bound: int | None, max_len: int) -> None:
+    if type(col) is not tuple or len(col) != m:
+        raise _bad_batch(f"{name}: expected an array of {m} elements (ragged columns), got "
+                         f"{len(col) if type(col) is tuple else _tname(col)}")
+    if not m:
+        return
+    if not set(map(type, col)) <= _TUPLE_T:
+        i = _first_bad(col, lambda x: type(x) is tuple)
+        raise _bad_batch(f"{name}[{i}]: expected an array, got {_tname(col[i])}")
+    if max(map(len, col)) > max_len:
+        i = _first_bad(col, lambda x: len(x) <= max_len)
+        raise _bad_batch(f"{name}[{i}]: {len(col[i])} entries exceed MAX_TOKENS_PER_TICK ({max_len})")
+    if not set(map(type, itertools.chain.from_iterable(col))) <= types:
+        i = _first_bad(col, lambda row: all(type(x) in types for x in row))
+        raise _bad_batch(f"{name}[{i}]: expected an array of {'/'.join(sorted(t.__name__ for t in types))}")
+    if bound is not None and _out_of_range(lambda: itertools.chain.from_iterable(col), bound):
+        i = _first_bad(col, lambda row: all(0 <= x <= bound for x in row))
+        raise _bad_batch(f"{name}[{i}]: a token id outside 0..{bound}")
+
+
+def decode_outputs(frames: Sequence[bytes]) -> TokenSpeedBatch:
+    """Decode one output message ``[payload, *aux]`` (the hot path: once per engine step).
+
+    Wire format: TokenSpeed 0.1.1 ``BatchTokenIDOutSlim`` (tagged, array_like). One
+    ``msgpack.unpackb`` (arrays as tuples) and a fixed number of C-level passes over the
+    columns (``set(map(type, col))``, ``min``, ``max(map(len, col))``): no per-token
+    Python objects, no per-row Python loop. The decoded tuples become the batch's
+    columns as they are. 9- and 10-element legacy batches take 0 for the missing tail;
+    elements after the 14th and aux frames after the payload are ignored.
+
+    Checked: the tag; ``rids`` an array of str of at most ``limits.MAX_OUTPUTS_PER_MESSAGE``;
+    every column exactly ``len(rids)`` long (the two logprob columns included);
+    ``finished_reasons`` str; counts ints in ``0..limits.MAX_TOKEN_ID`` (uint32, what the
+    gateway protos carry); ``output_ids`` and ``logprob_ids`` arrays of ints in that
+    range, ``logprob_vals`` arrays of numbers (ints are accepted,
+    as msgspec does, and left as ints), each at most ``limits.MAX_TOKENS_PER_TICK`` long;
+    ``logprob_vals[i]`` and ``logprob_ids[i]`` of equal length; the five scalars
+    non-negative ints.
+
+    Raises:
+        RemoteProtocolError: the ``ENGINE_CORE_DEAD`` sentinel (check
+            :func:`is_dead_sentinel` first), no frames, a frame over
+            ``limits.MAX_FRAME_BYTES``, undecodable msgpack, a pickle/unknown ext type,
+            a wrong tag ("wrong msgspec tag"), fewer than 9 elements, or any check above
+            (the message names the column and index).
+    """
+    if not frames:
+        raise RemoteProtocolError("BatchTokenIDOutSlim: empty message")
+    max_frame = _limits.MAX_FRAME_BYTES
+    for f in frames:
+        if len(f) > max_frame:
+            raise RemoteProtocolError(f"BatchTokenIDOutSlim: frame of {len(f)} bytes exceeds MAX_FRAME_BYTES")
+    if is_dead_sentinel(frames):
+        raise RemoteProtocolError("BatchTokenIDOutSlim: got the ENGINE_CORE_DEAD sentinel")
+    try:
+        obj = msgpack.unpackb(frames[0], use_list=False, raw=False, strict_map_key=False, ext_hook=ext_hook)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # any msgpack failure means "not a batch"
+        raise RemoteProtocolError(f"BatchTokenIDOutSlim: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if type(obj) is not tuple or not obj:
+        raise RemoteProtocolError(f"BatchTokenIDOutSlim: expected a tagged array, got {_tname(obj)}")
+    tag = obj[0]
+    if type(tag) is not str or tag != BATCH_TAG:
+        raise RemoteProtocolError(f"wrong msgspec tag: expected {BATCH_TAG!r}, got {tag!r:.60}")
+    n = len(obj)
+    if n != BATCH_ELEMENTS:
+        if n < BATCH_MIN_ELEMENTS:
+            raise RemoteProtocolError(
+                f"BatchTokenIDOutSlim: missing positional field {_COLUMNS[n - 1]!r} "
+                f"(got {n} elements, need >= {BATCH_MIN_ELEMENTS})"
+            )
+        obj = obj[:BATCH_ELEMENTS] if n > BATCH_ELEMENTS else obj + _TAIL_PADS[n]
+    (_tag, rids, output_ids, reasons, prompt, completion, cached, lp_vals, lp_ids,
+     engine_index, num_running, num_waiting, kv_active, kv_total) = obj
+
+    for name, v in zip(_SCALARS, (engine_index, num_running, num_waiting, kv_active, kv_total)):
+        if type(v) is not int or v < 0:
+            raise _bad_batch(f"{name}: expected a non-negative int, got {v!r:.40}")
+    if type(rids) is not tuple:
+        raise _bad_batch(f"rids: expected an array, got {_tname(rids)}")
+    m = len(rids)
+    if m > _limits.MAX_OUTPUTS_PER_MESSAGE:
+        raise _bad_batch(f"rids: {m} requests exceed MAX_OUTPUTS_PER_MESSAGE")
+    max_tokens = _limits.MAX_TOKENS_PER_TICK
+    max_id = _max_token_id()
+    _check_flat_column("rids", rids, m, _STR_T, bound=None)
+    _check_nested_column("output_ids", output_ids, m, _INT_T, bound=max_id, max_len=max_tokens)
+    _check_flat_column("finished_reasons", reasons, m, _STR_T, bound=None)
+    _check_flat_column("prompt_tokens", prompt, m, _INT_T, bound=max_id)
+    _check_flat_column("completion_tokens", completion, m, _INT_T, bound=max_id)
+    _check_flat_column("cached_tokens", cached, m, _INT_T, bound=max_id)
+    if (
+        type(lp_vals) is tuple
+        and type(lp_ids) is tuple
+        and len(lp_vals) == m == len(lp_ids)
+        and lp_vals.count(()) == m == lp_ids.count(())
+    ):
+        pass  # the common case, no request asked for logprobs: every row is empty
+    else:
+        _check_logprob_columns(lp_vals, lp_ids, m, max_tokens, max_id)
+    return TokenSpeedBatch(
+        engine_index=engine_index,
+        rids=rids,
+        output_ids=output_ids,
+        finished_reasons=reasons,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached,
+        logprob_vals=lp_vals,
+        logprob_ids=lp_ids,
+        num_running=num_running,
+        num_waiting=num_waiting,
+        kv_active_pages=kv_active,
+        kv_total_pages=kv_total,
+        wire_elements=n,
+    )
+
+
+def _check_logprob_columns(lp_vals: Any, lp_ids: Any, m: int, max_tokens: int, max_id: int) -> None:
+    _check_nested_column("output_token_logprobs_val", lp_vals, m, _NUM_T, bound=None, max_len=max_tokens)
+    _check_nested_column("output_token_logprobs_idx", lp_ids, m, _INT_T, bound=max_id, max_len=max_tokens)
+    if m and tuple(map(len, lp_vals)) != tuple(map(len, lp_ids)):
+        i = _first_bad(range(m), lambda k: len(lp_vals[k]) == len(lp_ids[k]))
+        raise _bad_batch(
+            f"output_token_logprobs_val[{i}]: {len(lp_vals[i])} values for {len(lp_ids[i])} token ids"
+        )
+
+
+def encode_outputs(batch: TokenSpeedBatch, *, elements: int = BATCH_ELEMENTS) -> list[bytes]:
+    """Encode one output message ``[payload]`` as TokenSpeed's ``MsgpackEncoder`` does.
+
+    For the mock engine and tests. ``elements`` 14 (0.1.1, the default), or 9 / 10 to
+    write a legacy prefix; the scalars a prefix leaves out must be 0. Logprob values
+    are written as float64. ``wire_elements`` is ignored.
+
+    Raises:
+        LocalProtocolError: ragged columns, values of the wrong type (or negative
+            counts/ids), a dropped non-zero scalar, or ``elements`` outside 9..14.
+    """
+    if not BATCH_MIN_ELEMENTS <= elements <= BATCH_ELEMENTS:
+        raise LocalProtocolError(f"elements must be in {BATCH_MIN_ELEMENTS}..{BATCH_ELEMENTS}, got {elements}")
+    m = len(batch.rids)
+    body: list[Any] = [BATCH_TAG]
+    try:
+        for name in _COLUMNS:
+            col = getattr(batch, name)
+            if type(col) not in (list, tuple) or len(col) != m:
+                raise _Bad(f"{name}: expected {m} entries like rids (ragged columns)")
+            if name in ("rids", "finished_reasons"):
+                body.append([_k_str(x) for x in col])
+            elif name in ("output_ids", "logprob_ids"):
+                body.append([[_nonneg(t) for t in _k_array(row)] for row in col])
+            elif name == "logprob_vals":
+                body.append([[_k_float(x) for x in _k_array(row)] for row in col])
+            else:
+                body.append([_nonneg(x) for x in col])
+        for row_v, row_i in zip(batch.logprob_vals, batch.logprob_ids):
+            if len(row_v) != len(row_i):
+                raise _Bad("logprob_vals and logprob_ids rows must have equal lengths")
+        for i, name in enumerate(_SCALARS, start=BATCH_MIN_ELEMENTS):
+            v = _nonneg(getattr(batch, name))
+            if i < elements:
+                body.append(v)
+            elif v != 0:
+                raise _Bad(f"{name} is {v} but a {elements}-element batch does not carry it")
+    except _Bad as exc:
+        raise LocalProtocolError(f"BatchTokenIDOutSlim.{exc}") from None
+    return [_pack(body)]
+
+
+def _nonneg(v: Any) -> int:
+    v = _k_int(v)
+    if v < 0:
+        raise _Bad(f"{v} is negative")
+    return v
+
+
+# =========================================================================== handshake
+
+# The handshake is vLLM's; these are the same functions (TokenSpeed's decoders accept
+# what they write, and they accept what TokenSpeed writes).
+decode_handshake_status = _vllm.decode_handshake_status
+encode_init = _vllm.encode_init
+decode_init = _vllm.decode_init
+EngineCoreReadyResponse = _vllm.EngineCoreReadyResponse
+
+
+def encode_hello() -> bytes:
+    """TokenSpeed's HELLO: ``{status: "HELLO", local: true, headless: true,
+    parallel_config_hash: nil}`` (4 keys, the nil hash included, unlike vLLM's 3-key map).
+    For the mock engine."""
+    return _pack({"status": "HELLO", "local": True, "headless": True, "parallel_config_hash": None})
+
+
+def encode_ready() -> bytes:
+    """TokenSpeed's READY map, shaped like :func:`encode_hello`. For the mock engine."""
+    return _pack({"status": "READY", "local": True, "headless": True, "parallel_config_hash": None})
+
+
+#: The only ``dtype`` values a TokenSpeed ready response carries (it refuses to start on
+#: anything else).
+READY_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+
+
+def decode_ready_response(payload: bytes) -> EngineCoreReadyResponse:
+    """Decode a ready response; the vLLM decoder already reads TokenSpeed's map.
+
+    ``prefix_granularity`` lands in ``block_size``; ``multimodal_encoder_dtype`` is
+    ignored; ``vllm_version`` is ``"tokenspeed-<version>"`` (see :func:`is_tokenspeed`).
+    Note ``max_model_len`` is the model's context length, not what the cache admits.
+    Raises RemoteProtocolError.
+    """
+    return _vllm.decode_ready_response(payload)
+
+
+def is_tokenspeed(resp: EngineCoreReadyResponse) -> bool:
+    """True when a ready response came from TokenSpeed (``vllm_version`` ``"tokenspeed-..."``)."""
+    return resp.vllm_version.startswith("tokenspeed-")
+
+
+def encode_ready_response(resp: EngineCoreReadyResponse, *, multimodal_encoder_dtype: str | None = None) -> bytes:
+    """TokenSpeed 0.1.1's ready-response map (for the mock engine): 19 keys in its order.
+
+    Keys: ``max_model_len, num_gpu_blocks, prefix_granularity`` (= ``resp.block_size``),
+    ``dp_stats_address, dtype, multimodal_encoder_dtype, vllm_version, world_size,
+    data_parallel_size, tensor_parallel_size, pipeline_parallel_size,
+    decode_context_parallel_size, data_parallel_rank, max_num_seqs,
+    max_num_batched_tokens, instance_id, kv_cache_size_tokens,
+    kv_cache_max_concurrency, kv_events_config``. vLLM-only fields of ``resp``
+    (``supports_lora``...) are not written.
+
+    Raises:
+        LocalProtocolError: ``dtype`` outside :data:`READY_DTYPES`, a negative
+            ``max_num_batched_tokens`` (TokenSpeed clamps it to >= 0), or a value of
+            the wrong type.
+    """
+    if resp.dtype not in READY_DTYPES:
+        raise LocalProtocolError(f"ready response dtype must be one of {sorted(READY_DTYPES)}, got {resp.dtype!r}")
+    if resp.max_num_batched_tokens < 0:
+        raise LocalProtocolError("ready response max_num_batched_tokens must be >= 0 (0 = no cap)")
+    mcr = resp.kv_cache_max_concurrency
+    try:
+        body = {
+            "max_model_len": _k_int(resp.max_model_len),
+            "num_gpu_blocks": _k_int(resp.num_gpu_blocks),
+            "prefix_granularity": _k_int(resp.block_size),
+            "dp_stats_address": _opt_str(resp.dp_stats_address),
+            "dtype": resp.dtype,
+            "multimodal_encoder_dtype": _opt_str(multimodal_encoder_dtype),
+            "vllm_version": _k_str(resp.vllm_version),
+            "world_size": _k_int(resp.world_size),
+            "data_parallel_size": _k_int(resp.data_parallel_size),
+            "tensor_parallel_size": _k_int(resp.tensor_parallel_size),
+            "pipeline_parallel_size": _k_int(resp.pipeline_parallel_size),
+            "decode_context_parallel_size": _k_int(resp.decode_context_parallel_size),
+            "data_parallel_rank": _k_int(resp.data_parallel_rank),
+            "max_num_seqs": _k_int(resp.max_num_seqs),
+            "max_num_batched_tokens": _k_int(resp.max_num_batched_tokens),
+            "instance_id": _k_str(resp.instance_id),
+            "kv_cache_size_tokens": _opt_int(resp.kv_cache_size_tokens),
+            "kv_cache_max_concurrency": _k_opt(_k_float)(mcr),
+            "kv_events_config": _k_opt(_k_map)(resp.kv_events_config),
+        }
+    except _Bad as exc:
+        raise LocalProtocolError(f"ready response: {exc}") from None
+    return _pack(body)
