@@ -36,3 +36,12 @@ async def fake_pair(
 @pytest.fixture
 def pair():
     return fake_pair
+
+
+@pytest.fixture
+def mock_clock():
+    """Virtual time that jumps only after 50 ms of real idleness, so real socket
+    I/O (sub-millisecond here) always completes before a timeout fires."""
+    import trio.testing
+
+    return trio.testing.MockClock(autojump_threshold=0.05)

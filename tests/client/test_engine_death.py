@@ -77,13 +77,6 @@ async def test_garbage_fails_open_streams_and_a_streak_means_death():
             assert cause.reason == "decode_errors" and client.protocol.decode_errors == 3
 
 
-@pytest.fixture
-def mock_clock():
-    # Jumps virtual time only after 50 ms of real idleness, so real socket
-    # I/O (sub-millisecond here) always completes before a timeout fires.
-    return trio.testing.MockClock(autojump_threshold=0.05)
-
-
 async def test_silence_with_requests_in_flight_means_death(mock_clock):
     async with fake_pair(silence_timeout=300.0) as (engine, client):
         t0 = trio.current_time()

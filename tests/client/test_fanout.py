@@ -123,6 +123,50 @@ async def test_a_failing_child_aborts_its_siblings_and_the_parent_raises_one_err
             assert client.protocol.inflight == 0
 
 
+async def test_a_child_failing_mid_stream_on_virtual_time(mock_clock):
+    """Deterministic with MockClock: children stream for 10 virtual seconds, then
+    child 2 fails (engine ERROR); its siblings are aborted in one frame and the
+    parent raises that one error at t = 10 s."""
+    async with fake_pair() as (engine, client):
+        t0 = trio.current_time()
+        got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        with pytest.raises(EngineRequestError) as ei:
+            async with generate_parallel(client, children(3)) as ps:
+                for _ in range(3):
+                    await engine.receive_add()
+
+                async def engine_steps():
+                    for step in range(10):
+                        await trio.sleep(1.0)
+                        await engine.send_outputs([out(f"p-{i}", [step]) for i in range(3)])
+                    await trio.sleep(1.0)
+                    await engine.send_outputs([out("p-2", [], wire.FinishReason.ERROR)])
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(engine_steps)
+                    async for index, delta in ps:
+                        got[index] += delta.token_ids
+        assert ei.value.request_id == "p-2"
+        assert trio.current_time() - t0 == pytest.approx(11.0, abs=0.5)
+        assert got == {i: list(range(10)) for i in range(3)}
+        assert await engine.receive_abort() == ("p-0", "p-1")
+        assert client.protocol.inflight == 0
+
+
+async def test_engine_silence_mid_stream_fails_the_parent_once_on_virtual_time(mock_clock):
+    async with fake_pair(silence_timeout=30.0) as (engine, client):
+        t0 = trio.current_time()
+        with pytest.raises(EngineDeadError) as ei:
+            async with generate_parallel(client, children(3)) as ps:
+                for _ in range(3):
+                    await engine.receive_add()
+                await engine.send_outputs([out(f"p-{i}", [1]) for i in range(3)])
+                async for _ in ps:
+                    pass
+        assert ei.value.reason == "silence"
+        assert 30.0 <= trio.current_time() - t0 < 31.0
+
+
 async def test_engine_death_fails_the_parent_with_one_typed_error():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):

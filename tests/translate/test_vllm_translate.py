@@ -141,7 +141,7 @@ def test_structured_outputs(constraint, expected):
     so = params(req(max_tokens=4, **constraint)).structured_outputs
     for k, v in expected.items():
         assert getattr(so, k) == v
-    assert so.backend == "xgrammar"
+    assert so.backend == "xgrammar" and so.backend_was_auto
     decoded = wire.decode_request(wire.encode_request(tr(req(max_tokens=4, **constraint)).request))
     assert decoded.sampling_params.structured_outputs == so
 
@@ -153,6 +153,28 @@ def test_choice_is_sent_as_vllms_ebnf_grammar_on_xgrammar_and_as_is_on_guidance(
     assert choice_as_grammar(["yes", "no", 'a"b\\c\nd\x01']) == 'root ::= "yes" | "no" | "a\\"b\\\\c\\nd\\u0001"'
     so = params(req(max_tokens=4, choice=pb.ChoiceConstraint(choices=["x", "y"])), structured_outputs_backend="guidance").structured_outputs
     assert so.choice == ("x", "y") and so.grammar is None and so.backend == "guidance"
+
+
+@pytest.mark.parametrize("vector, constraint", [
+    ("request_structured_json_schema",
+     {"json_schema": '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, '
+                     '"required": ["name", "age"]}'}),
+    ("request_structured_regex", {"regex": "[0-9]{3}-[0-9]{4}"}),
+])
+def test_structured_outputs_equal_what_vllms_front_end_sends(vector, constraint):
+    """The golden vectors whose StructuredOutputsParams vLLM's own front end filled
+    (auto backend): ours is identical, and so are its bytes."""
+    import json
+    import pathlib
+
+    import msgpack
+
+    cases = json.loads((pathlib.Path(__file__).parents[1] / "wire" / "vectors" / "vllm_0.32.0.json").read_text())
+    (case,) = [c for c in cases if c["name"] == vector]
+    theirs = wire.decode_request([bytes.fromhex(h) for h in case["frames_hex"]]).sampling_params.structured_outputs
+    ours = params(req(max_tokens=4, **constraint)).structured_outputs
+    assert ours == theirs
+    assert msgpack.packb(ours._to_wire()) == msgpack.packb(theirs._to_wire())
 
 
 def test_structured_output_backend_is_configurable_but_structural_tag_needs_xgrammar():

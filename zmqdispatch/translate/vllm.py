@@ -98,10 +98,12 @@ class TranslationConfig:
         vocab_size: when known, token ids in ``stop_token_ids`` and
             ``logit_bias`` must be below it.
         max_logprobs: the engine's ``max_logprobs``; larger requests are refused.
-        structured_outputs_backend: vLLM's ``_backend`` for constraints
-            (``"xgrammar"``, ``"guidance"``, ``"outlines"``,
-            ``"lm-format-enforcer"``); the engine needs it set, as vLLM's
-            front end always sets it.
+        structured_outputs_backend: vLLM's ``_backend`` for constraints:
+            ``"auto"`` (vLLM's default: xgrammar, sent with
+            ``_backend_was_auto`` true, as vLLM's front end fills it), or
+            ``"xgrammar"``, ``"guidance"``, ``"outlines"``,
+            ``"lm-format-enforcer"``. The engine needs it set: it fixes its
+            backend from the first constrained request it sees.
         engine_index: the connected engine's DP rank; a ``data_parallel_rank``
             naming another engine is refused.
         tokenizer: optional; needed for stop strings (anything with
@@ -112,7 +114,7 @@ class TranslationConfig:
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     vocab_size: int | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_backend: str = "auto"
     engine_index: int | None = None
     tokenizer: Any = None
 
@@ -205,10 +207,18 @@ def choice_as_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(f'"{escape(c)}"' for c in choices)
 
 
+_STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+
 def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.StructuredOutputsParams | None:
     which = sp.WhichOneof("constraint")
     if which is None:
         return None
+    if backend not in _STRUCTURED_BACKENDS:
+        raise _reject(rid, f"sampling_params.{which}", f"unknown structured outputs backend {backend!r}")
+    auto = backend == "auto"
+    if auto:
+        backend = "xgrammar"  # what vLLM's front end picks in auto mode
     field = f"sampling_params.{which}"
     kw: dict[str, Any] = {}
     if which == "json_schema":
@@ -251,7 +261,7 @@ def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.S
     # structural_tag is only understood by xgrammar (guidance's parser cannot
     # compile the triggered-tags format; reference gateway section 2.4).
     chosen = "xgrammar" if which == "structural_tag" else backend
-    return wire.StructuredOutputsParams(backend=chosen, backend_was_auto=False, **kw)
+    return wire.StructuredOutputsParams(backend=chosen, backend_was_auto=auto, **kw)
 
 
 def translate_request(
