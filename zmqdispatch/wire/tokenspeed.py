@@ -54,6 +54,32 @@ from zmqdispatch import limits as _limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
 from zmqdispatch.wire import vllm as _vllm
 from zmqdispatch.wire.tensors import Tensor, encode_tensor, ext_hook
+from zmqdispatch.wire._fields import (
+    ENGINE_CORE_DEAD,
+    _unpack_output_message,
+    is_dead_sentinel,
+    _Bad,
+    _tname,
+    _pack,
+    _k_any,
+    _k_int,
+    _k_float,
+    _k_bool,
+    _k_str,
+    _k_map,
+    _k_opt,
+    _k_seq,
+    _conv_float,
+    _conv_tuple,
+    _conv_nested_tuple,
+)
+from zmqdispatch.wire._fields import _unpack as _unpack_any
+
+
+def _unpack(payload: Any, what: str) -> Any:
+    """One msgpack document, arrays as tuples (TokenSpeed's positional structs)."""
+    return _unpack_any(payload, what, use_list=False)
+
 
 __all__ = [
     # constants
@@ -147,8 +173,6 @@ def parse_request_type(frame: bytes) -> RequestType:
 
 #: The raw 16-byte frame TokenSpeed pushes (best effort, NOBLOCK) when its event loop
 #: closes on shutdown or crash. Identical to vLLM's.
-ENGINE_CORE_DEAD = _vllm.ENGINE_CORE_DEAD
-is_dead_sentinel = _vllm.is_dead_sentinel
 
 #: Element 0 of an ADD payload.
 REQUEST_TAG = "TokenizedGenerateReqInput"
@@ -190,87 +214,30 @@ FINISH_ABORT = "abort"
 # =========================================================================== helpers
 
 
-class _Bad(Exception):
-    """A value failed a field check; the message is completed with the field path."""
 
 
-def _tname(v: Any) -> str:
-    return type(v).__name__
 
 
-def _pack(obj: Any) -> bytes:
-    # use_bin_type: bytes -> bin, str -> str; use_single_float=False: every float is
-    # float64 ("cb"), as msgspec writes Python floats.
-    try:
-        return msgpack.packb(obj, use_bin_type=True, use_single_float=False, datetime=False)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise LocalProtocolError(f"value cannot be encoded as msgpack: {exc}") from None
 
 
-def _unpack(payload: Any, what: str) -> Any:
-    """One msgpack document -> Python (arrays as tuples); every failure as RemoteProtocolError."""
-    try:
-        if len(payload) > _limits.MAX_FRAME_BYTES:
-            raise RemoteProtocolError(f"{what}: frame of {len(payload)} bytes exceeds MAX_FRAME_BYTES")
-        return msgpack.unpackb(payload, use_list=False, raw=False, strict_map_key=False, ext_hook=ext_hook)
-    except RemoteProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises ValueError/TypeError/StackError/...: all "undecodable"
-        raise RemoteProtocolError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
 
 
 # Field kinds: each checks one value (decoded, or handed to an encoder) and returns it
 # normalised, or raises _Bad. Same rules both ways, so whatever encodes also decodes.
 
 
-def _k_any(v: Any) -> Any:
-    return v
 
 
-def _k_int(v: Any) -> int:
-    if type(v) is int:
-        return v
-    raise _Bad(f"expected an int, got {_tname(v)}")
 
 
-def _k_float(v: Any) -> float:
-    t = type(v)
-    if t is float:
-        return v
-    if t is int:  # msgspec float fields accept ints
-        try:
-            return float(v)
-        except OverflowError:
-            raise _Bad("int too large for a float") from None
-    raise _Bad(f"expected a float, got {_tname(v)}")
 
 
-def _k_bool(v: Any) -> bool:
-    if type(v) is bool:
-        return v
-    raise _Bad(f"expected a bool, got {_tname(v)}")
 
 
-def _k_str(v: Any) -> str:
-    if type(v) is str:
-        return v
-    raise _Bad(f"expected a str, got {_tname(v)}")
 
 
-def _k_opt(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        return None if v is None else kind(v)
-
-    return check
 
 
-def _k_seq(kind: Callable[[Any], Any]) -> Callable[[Any], tuple]:
-    def check(v: Any) -> tuple:
-        if type(v) not in (list, tuple):
-            raise _Bad(f"expected an array, got {_tname(v)}")
-        return tuple([kind(x) for x in v])
-
-    return check
 
 
 def _k_array(v: Any) -> tuple:
@@ -279,10 +246,6 @@ def _k_array(v: Any) -> tuple:
     return tuple(v)
 
 
-def _k_map(v: Any) -> dict:
-    if type(v) is not dict:
-        raise _Bad(f"expected a map, got {_tname(v)}")
-    return v
 
 
 def _k_str_map(v: Any) -> dict:
@@ -318,13 +281,8 @@ _opt_str = _k_opt(_k_str)
 _int_seq = _k_seq(_k_int)
 
 
-def _conv_float(v: Any) -> Any:
-    # attrs converter: an int given for a float field is stored (and written) as a float.
-    return float(v) if type(v) is int else v
 
 
-def _conv_tuple(v: Any) -> Any:
-    return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
 def _conv_id_set(v: Any) -> Any:
@@ -333,8 +291,6 @@ def _conv_id_set(v: Any) -> Any:
     return _conv_tuple(v)
 
 
-def _conv_nested_tuple(v: Any) -> Any:
-    return tuple(_conv_tuple(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def _conv_float_map(v: Any) -> Any:
@@ -1055,20 +1011,7 @@ def decode_outputs(frames: Sequence[bytes]) -> TokenSpeedBatch:
             a wrong tag ("wrong msgspec tag"), fewer than 9 elements, or any check above
             (the message names the column and index).
     """
-    if not frames:
-        raise RemoteProtocolError("BatchTokenIDOutSlim: empty message")
-    max_frame = _limits.MAX_FRAME_BYTES
-    for f in frames:
-        if len(f) > max_frame:
-            raise RemoteProtocolError(f"BatchTokenIDOutSlim: frame of {len(f)} bytes exceeds MAX_FRAME_BYTES")
-    if is_dead_sentinel(frames):
-        raise RemoteProtocolError("BatchTokenIDOutSlim: got the ENGINE_CORE_DEAD sentinel")
-    try:
-        obj = msgpack.unpackb(frames[0], use_list=False, raw=False, strict_map_key=False, ext_hook=ext_hook)
-    except RemoteProtocolError:
-        raise
-    except Exception as exc:  # any msgpack failure means "not a batch"
-        raise RemoteProtocolError(f"BatchTokenIDOutSlim: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    obj = _unpack_output_message(frames, "BatchTokenIDOutSlim")
     if type(obj) is not tuple or not obj:
         raise RemoteProtocolError(f"BatchTokenIDOutSlim: expected a tagged array, got {_tname(obj)}")
     tag = obj[0]

@@ -39,6 +39,27 @@ import msgpack
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
 from zmqdispatch.wire.tensors import Tensor, decode_tensor, encode_tensor, ext_hook
+from ._fields import (
+    ENGINE_CORE_DEAD,
+    _unpack_output_message,
+    is_dead_sentinel,
+    _Bad,
+    _tname,
+    _pack,
+    _unpack,
+    _k_any,
+    _k_int,
+    _k_float,
+    _k_bool,
+    _k_str,
+    _k_map,
+    _k_opt,
+    _k_seq,
+    _conv_float,
+    _conv_tuple,
+    _conv_nested_tuple,
+)
+
 
 __all__ = [
     # constants and enums
@@ -136,7 +157,6 @@ class RequestType(enum.IntEnum):
 _TYPE_FRAMES = {t: bytes((t,)) for t in RequestType}
 
 #: The fatal-error sentinel: one raw 16-byte frame (not msgpack) on the output socket.
-ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
 class FinishReason(enum.IntEnum):
@@ -185,17 +205,8 @@ def parse_request_type(frame: bytes) -> RequestType:
 # =========================================================================== helpers
 
 
-class _Bad(Exception):
-    """A value failed a field check; the message is completed with the field path."""
 
 
-def _pack(obj: Any) -> bytes:
-    # use_bin_type: bytes -> bin, str -> str (vLLM never sends str as bin);
-    # use_single_float=False: every float is float64 ("cb"), as msgspec writes it.
-    try:
-        return msgpack.packb(obj, use_bin_type=True, use_single_float=False, datetime=False)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise LocalProtocolError(f"value cannot be encoded as msgpack: {exc}") from None
 
 
 def _array_header(n: int) -> bytes:
@@ -216,22 +227,8 @@ def _pack_omit_defaults_map(m: dict) -> bytes:
     return head + b"".join(_pack(k) + _pack(v) for k, v in m.items())
 
 
-def _unpack(payload: Any, what: str, *, use_list: bool = True) -> Any:
-    """One msgpack document -> Python, every failure as RemoteProtocolError."""
-    try:
-        if len(payload) > _limits.MAX_FRAME_BYTES:
-            raise RemoteProtocolError(f"{what}: frame of {len(payload)} bytes exceeds MAX_FRAME_BYTES")
-        return msgpack.unpackb(
-            payload, use_list=use_list, raw=False, strict_map_key=False, ext_hook=ext_hook
-        )
-    except RemoteProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises ValueError/TypeError/StackError/...: all "undecodable"
-        raise RemoteProtocolError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
 
 
-def _tname(v: Any) -> str:
-    return type(v).__name__
 
 
 # Field "kinds": each checks one decoded value and returns it normalised (or raises
@@ -240,62 +237,20 @@ def _tname(v: Any) -> str:
 # refuses it too), an int is accepted where a float is expected and widened.
 
 
-def _k_any(v: Any) -> Any:
-    return v
 
 
-def _k_int(v: Any) -> int:
-    if type(v) is int:
-        return v
-    if isinstance(v, int) and not isinstance(v, bool):  # an IntEnum
-        return int(v)
-    raise _Bad(f"expected an int, got {_tname(v)}")
 
 
-def _k_float(v: Any) -> float:
-    t = type(v)
-    if t is float:
-        return v
-    if t is int:
-        try:
-            return float(v)
-        except OverflowError:
-            raise _Bad("int too large for a float") from None
-    raise _Bad(f"expected a float, got {_tname(v)}")
 
 
-def _k_bool(v: Any) -> bool:
-    if type(v) is bool:
-        return v
-    raise _Bad(f"expected a bool, got {_tname(v)}")
 
 
-def _k_str(v: Any) -> str:
-    if type(v) is str:
-        return v
-    raise _Bad(f"expected a str, got {_tname(v)}")
 
 
-def _k_map(v: Any) -> dict:
-    if type(v) is dict:
-        return v
-    raise _Bad(f"expected a map, got {_tname(v)}")
 
 
-def _k_opt(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        return None if v is None else kind(v)
-
-    return check
 
 
-def _k_seq(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def check(v: Any) -> tuple:
-        if type(v) not in (list, tuple):
-            raise _Bad(f"expected an array, got {_tname(v)}")
-        return tuple([kind(x) for x in v])
-
-    return check
 
 
 def _k_enum(cls: type[enum.IntEnum]) -> Callable[[Any], Any]:
@@ -391,13 +346,8 @@ def _struct_to_map(obj: Any, *, omit_defaults: bool) -> dict:
     return out
 
 
-def _conv_float(v: Any) -> Any:
-    # attrs converter: an int given for a float field is stored (and written) as a float.
-    return float(v) if type(v) is int else v
 
 
-def _conv_tuple(v: Any) -> Any:
-    return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
 def _conv_tuple_or_empty(v: Any) -> Any:
@@ -409,8 +359,6 @@ def _conv_tuple_or_empty(v: Any) -> Any:
     return _conv_tuple(v)
 
 
-def _conv_nested_tuple(v: Any) -> Any:
-    return tuple(_conv_tuple(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def _conv_logit_bias(v: Any) -> Any:
@@ -922,15 +870,6 @@ class EngineCoreOutputs:
     bad_rows: tuple[tuple[str | None, RemoteProtocolError], ...] = ()
 
 
-def is_dead_sentinel(frames: Sequence[bytes]) -> bool:
-    """True for the ``ENGINE_CORE_DEAD`` message: exactly one frame equal to those 16 bytes.
-
-    Check before :func:`decode_outputs`; the engine exits (code 1) a few seconds later
-    and every in-flight request is lost.
-    """
-    return len(frames) == 1 and len(frames[0]) == 16 and bytes(frames[0]) == ENGINE_CORE_DEAD
-
-
 def _bad_output(i: int, what: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"EngineCoreOutputs.outputs[{i}].{what}")
 
@@ -954,20 +893,7 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
             ``limits.MAX_OUTPUTS_PER_MESSAGE`` rows or ``limits.MAX_TOKENS_PER_TICK``
             tokens in one row is also refused.
     """
-    if not frames:
-        raise RemoteProtocolError("EngineCoreOutputs: empty message")
-    max_frame = _limits.MAX_FRAME_BYTES
-    for f in frames:
-        if len(f) > max_frame:
-            raise RemoteProtocolError(f"EngineCoreOutputs: frame of {len(f)} bytes exceeds MAX_FRAME_BYTES")
-    if is_dead_sentinel(frames):
-        raise RemoteProtocolError("EngineCoreOutputs: got the ENGINE_CORE_DEAD sentinel")
-    try:
-        obj = msgpack.unpackb(frames[0], use_list=False, raw=False, strict_map_key=False, ext_hook=ext_hook)
-    except RemoteProtocolError:
-        raise
-    except Exception as exc:  # any msgpack failure means "not an EngineCoreOutputs"
-        raise RemoteProtocolError(f"EngineCoreOutputs: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    obj = _unpack_output_message(frames, "EngineCoreOutputs")
     if type(obj) is not tuple or len(obj) < 2:
         raise RemoteProtocolError("EngineCoreOutputs: expected an array of >= 2 elements")
     n = len(obj)
