@@ -222,7 +222,8 @@ def _translation_config(args: argparse.Namespace, max_model_len: int, engine_ind
 
 
 def _fail(code: int, message: str) -> int:
-    sys.stderr.write(f"zmqdispatch: error: {message}\n")
+    one_line = " ".join(message.split())  # library messages may span lines
+    sys.stderr.write(f"zmqdispatch: error: {one_line}\n")
     return code
 
 

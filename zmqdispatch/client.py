@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -40,7 +39,7 @@ import attrs
 import trio
 import zmq
 
-from . import limits
+from . import _ipc, limits
 from ._zmq_trio import PeerUnreachable, SendTimeout, TrioSocket, ZmqContext, parse_monitor_event
 from .errors import (
     EngineDeadError,
@@ -547,8 +546,8 @@ async def _park_sender(p: EngineProtocol) -> None:
 
 def _private_ipc_dir() -> str:
     # mkdtemp creates the directory with mode 0700 atomically: no window in
-    # which another user could plant a socket file.
-    return tempfile.mkdtemp(prefix="zmqd-")
+    # which another user could plant a socket file (checked in _ipc).
+    return _ipc.private_ipc_dir(prefix="zmqd-")
 
 
 def _format_launch(launch: str | Sequence[str], handshake_address: str) -> list[str]:
@@ -556,19 +555,25 @@ def _format_launch(launch: str | Sequence[str], handshake_address: str) -> list[
     return [a.replace("{handshake_address}", handshake_address) for a in argv]
 
 
+def _leaves(e: BaseException) -> list[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [e]
+
+
 def _unwrap(eg: BaseExceptionGroup) -> BaseException:
-    """The one meaningful exception of a nursery failure (Cancelled dropped)."""
-    leaves: list[BaseException] = []
+    """The one meaningful exception of a nursery failure.
 
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for sub in e.exceptions:
-                walk(sub)
-        elif not isinstance(e, trio.Cancelled):
-            leaves.append(e)
-
-    walk(eg)
-    if len(leaves) == 1:
+    Cancellations are dropped when something else failed; a group of nothing
+    but cancellations becomes one bare ``Cancelled``, so the enclosing scope
+    (and any ``except trio.Cancelled``) sees what it expects. Several real
+    errors stay a group.
+    """
+    leaves = _leaves(eg)
+    errors = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    if len(errors) == 1:
+        return errors[0]
+    if not errors and leaves:
         return leaves[0]
     return eg
 
@@ -720,7 +725,10 @@ async def connect(
         handshake_address: where to bind the handshake ROUTER (``tcp://HOST:PORT``
             for ``vllm serve --headless --data-parallel-address HOST
             --data-parallel-rpc-port PORT``; ``ipc://PATH``). Default: an
-            ``ipc://`` path in a private 0700 temporary directory.
+            ``ipc://`` path in a private 0700 temporary directory. A ``tcp://``
+            address is bound exactly as given (use ``127.0.0.1`` unless the
+            engine is remote); ``ipc://`` paths are checked first (see
+            :mod:`zmqdispatch._ipc`: stale sockets unlinked, anything else refused).
         launch: an engine command (string or argv) to start after binding;
             ``{handshake_address}`` in it is replaced by the bound address. The
             process runs in its own process group with stdout sent to our
@@ -769,14 +777,15 @@ async def connect(
         if resume is not None:
             if launch is not None or handshake_address is not None:
                 raise ValueError("resume= re-attaches to a running engine: no launch or handshake address")
-            input_address = inp.bind(resume.input_address)
-            output_address = out.bind(resume.output_address)
+            # ipc paths: stale socket files unlinked, anything else refused (_ipc)
+            input_address = inp.bind(await _ipc.prepare_bind(resume.input_address))
+            output_address = out.bind(await _ipc.prepare_bind(resume.output_address))
             await _await_reconnect(monitor, config.handshake_timeout)
             identity, ready = resume.identity, resume.ready
         else:
-            input_address = inp.bind(config.input_address or ipc("input.sock"))
-            output_address = out.bind(config.output_address or ipc("output.sock"))
-            hs_address = hs.bind(handshake_address or ipc("handshake.sock"))
+            input_address = inp.bind(await _ipc.prepare_bind(config.input_address or ipc("input.sock")))
+            output_address = out.bind(await _ipc.prepare_bind(config.output_address or ipc("output.sock")))
+            hs_address = hs.bind(await _ipc.prepare_bind(handshake_address or ipc("handshake.sock")))
             if launch is not None:
                 argv = _format_launch(launch, hs_address)
                 try:

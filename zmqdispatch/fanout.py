@@ -101,7 +101,9 @@ class ParallelStream:
                             # A cancellation from outside reaches every child; the
                             # first one to see it aborts all live siblings in one
                             # call (one ABORT frame), before any stream exits alone.
-                            self._abort_live()
+                            # A child closed on its own (close_child) aborts nobody else.
+                            if index not in self._retired:
+                                self._abort_live()
                             raise
                 except trio.Cancelled:
                     raise

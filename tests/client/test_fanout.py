@@ -246,3 +246,43 @@ def test_any_interleaving_and_cancellation_point(script):
                 client.protocol.forget_utility(call)
 
     trio.run(main)
+
+
+async def test_closing_one_sample_never_aborts_its_siblings_even_when_it_is_blocked():
+    """A sample closed with close_child (e.g. its stop string matched) while its
+    task is blocked handing a delta to a lagging parent aborts only itself."""
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            async with generate_parallel(client, children(3)) as ps:
+                for _ in range(3):
+                    await engine.receive_add()
+                for step in range(4):  # more deltas than the merged channel holds: children block
+                    await engine.send_outputs([out(f"p-{i}", [step]) for i in range(3)])
+                await trio.testing.wait_all_tasks_blocked()
+                ps.close_child(0)
+                assert await engine.receive_abort() == ("p-0",)
+                await engine.send_outputs([out(f"p-{i}", [9], wire.FinishReason.LENGTH) for i in (1, 2)])
+                finished = set()
+                async for index, delta in ps:
+                    assert index != 0 or delta.finish_reason is None
+                    if delta.finish_reason is not None:
+                        finished.add(index)
+            assert finished == {1, 2}
+            assert client.protocol.inflight == 0
+
+
+async def test_an_outer_cancellation_surfaces_as_a_bare_cancelled():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            caught = []
+            with trio.CancelScope() as scope:
+                try:
+                    async with generate_parallel(client, children(2)) as ps:
+                        for _ in range(2):
+                            await engine.receive_add()
+                        scope.cancel()
+                        await ps.receive()
+                except trio.Cancelled:
+                    caught.append(True)
+                    raise
+            assert caught == [True] and scope.cancelled_caught

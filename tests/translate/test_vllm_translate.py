@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import attrs
+
 import pytest
 
 from zmqdispatch.errors import RequestRejected
@@ -341,3 +343,24 @@ def test_prompt_logprobs_ride_the_first_token_chunk_and_every_complete():
     assert [list(t.token_ids) for t in inp.top_logprobs] == [[], [2]]
     assert not r2[0].chunk.HasField("input_logprobs")  # only once on chunks
     assert list(r2[1].complete.input_logprobs.token_ids) == [1, 2]
+
+
+@pytest.mark.parametrize("schema", ["null", "123", "true", "[1]", '"x"'])
+def test_a_json_schema_that_is_not_an_object_is_refused_by_name(schema):
+    # "null" would put a constraint-less StructuredOutputsParams on the wire,
+    # which vLLM's own checks reject in the engine's input thread (killing it).
+    with pytest.raises(RequestRejected) as ei:
+        tr(req(max_tokens=4, json_schema=schema))
+    assert ei.value.field == "sampling_params.json_schema"
+
+
+def test_check_request_demands_exactly_one_structured_constraint():
+    from zmqdispatch.protocol.checks import check_request as check
+
+    base = tr(req(max_tokens=4, regex="a+")).request
+    for so in (wire.StructuredOutputsParams(backend="xgrammar"),
+               wire.StructuredOutputsParams(regex="a", grammar="root ::= 'a'", backend="xgrammar")):
+        bad = attrs.evolve(base, sampling_params=attrs.evolve(base.sampling_params, structured_outputs=so))
+        with pytest.raises(RequestRejected) as ei:
+            check(bad, max_model_len=100)
+        assert ei.value.field == "sampling_params.structured_outputs"

@@ -15,6 +15,10 @@ What it reproduces of the real engine (vLLM 0.32, verified facts in
   fatal: the engine sends ``ENGINE_CORE_DEAD`` and exits (:class:`FatalEngineError`);
 - utility calls: ``get_supported_tasks`` -> ``["generate"]``, ``is_sleeping``
   -> ``False``, unknown methods -> ``"Call to <m> method failed: ..."``;
+  mock-only introspection for leak checks (not vLLM methods):
+  ``zmqd_live_requests`` -> the number of running requests, ``zmqd_live_ids``
+  -> their ids (first 1,000, sorted), ``zmqd_stats`` ->
+  ``{"live", "requests_received", "aborts_received", "steps"}``;
 - shutdown aborts running requests with finish ABORT and ``finished_requests``.
 
 Tokens are deterministic: a function of the prompt, the position and the
@@ -24,6 +28,8 @@ seed, so the same greedy request gives the same ids on every run.
 from __future__ import annotations
 
 import attrs
+
+from collections import deque
 
 from ..wire import vllm as wire
 
@@ -69,8 +75,11 @@ class MockEngineCore:
         self.vocab_size = vocab_size
         self.tokens_per_step = tokens_per_step
         self.running: dict[str, _Running] = {}
-        self.aborts_received: list[str] = []
+        #: the most recent aborted ids (bounded: a soak sends millions)
+        self.aborts_received: deque[str] = deque(maxlen=10_000)
+        self.aborts_total = 0
         self.requests_received = 0
+        self.steps = 0
 
     def add(self, request: wire.EngineCoreRequest) -> wire.EngineCoreOutput | None:
         """Admit an ADD. Returns an immediate ERROR output for a request the
@@ -99,10 +108,12 @@ class MockEngineCore:
         """Remove requests; unknown ids are ignored; no output is produced."""
         for rid in request_ids:
             self.aborts_received.append(rid)
+            self.aborts_total += 1
             self.running.pop(rid, None)
 
     def step(self) -> list[wire.EngineCoreOutput]:
         """Advance every running request by ``tokens_per_step`` tokens."""
+        self.steps += 1
         outputs: list[wire.EngineCoreOutput] = []
         finished: list[str] = []
         for rid, r in self.running.items():
@@ -169,4 +180,15 @@ class MockEngineCore:
             return False, None
         if method == "reset_prefix_cache":
             return True, None
+        if method == "zmqd_live_requests":
+            return len(self.running), None
+        if method == "zmqd_live_ids":
+            return sorted(self.running)[:1000], None
+        if method == "zmqd_stats":
+            return {
+                "live": len(self.running),
+                "requests_received": self.requests_received,
+                "aborts_received": self.aborts_total,
+                "steps": self.steps,
+            }, None
         return None, f"Call to {method} method failed: 'EngineCoreProc' object has no attribute '{method}'"

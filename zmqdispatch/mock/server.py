@@ -21,9 +21,12 @@ Faults (``--fault KIND[:N]``, repeatable), for the failure tests:
 =====================  ==========================================================
 ``sentinel:N``         after N steps, send ENGINE_CORE_DEAD and exit 1
 ``exit:N``             after N steps, exit 1 at once, no sentinel (like SIGKILL)
-``garbage:N``          from step N on, send undecodable frames instead of outputs
+``garbage:N``          after N steps, send undecodable frames instead of outputs
 ``silent:N``           from step N on, send nothing (alive but wedged)
-``stop-reading:N``     after N ADDs, stop reading the input socket
+``stop-reading:N``     after N ADDs, stop reading the input socket (its libzmq
+                       keeps receiving: RCVHWM 0 as in vLLM, so the client's
+                       sends never block; silence is what reveals it. To make
+                       sends block, freeze the process: SIGSTOP)
 ``no-ready``           never send READY (the handshake never completes)
 =====================  ==========================================================
 """

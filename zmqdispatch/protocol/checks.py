@@ -118,6 +118,15 @@ def check_sampling_params(
                 raise bad("logit_bias", f"key {tok!r} is not a vocabulary token id")
             if not _is_num(bias):
                 raise bad("logit_bias", f"bias for token {tok} must be a finite number, got {bias!r}")
+    so = sp.structured_outputs
+    if so is not None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(so, k) not in (None, False)]
+        if len(kinds) != 1:
+            # vLLM's StructuredOutputsParams.__post_init__: exactly one kind.
+            raise bad("structured_outputs", f"must set exactly one constraint, got {kinds or 'none'}")
+        if so.json is not None and not isinstance(so.json, (str, dict)):
+            raise bad("structured_outputs", "json must be a JSON Schema object or its text")
     if sp.allowed_token_ids is not None:
         if len(sp.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "must not be empty")

@@ -226,9 +226,14 @@ def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.S
         if not text.strip():
             raise _reject(rid, field, "must not be empty")
         try:
-            kw["json"] = json.loads(text)  # vLLM's OpenAI server passes the schema as an object
+            schema = json.loads(text)  # vLLM's OpenAI server passes the schema as an object
         except ValueError:
             raise _reject(rid, field, "is not valid JSON") from None
+        if not isinstance(schema, dict):
+            # e.g. "null" would leave no constraint at all, which vLLM's own
+            # checks reject in the engine's input thread (killing it).
+            raise _reject(rid, field, f"must be a JSON object (a JSON Schema), got {type(schema).__name__}")
+        kw["json"] = schema
     elif which == "regex":
         if not sp.regex:
             raise _reject(rid, field, "must not be empty")
@@ -473,7 +478,8 @@ def translate_parallel(
     with a seed ``s`` it gets ``s + i``, as vLLM's ``ParentRequest`` does
     (``vllm/v1/engine/parallel_sampling.py``, 0.32): no wrap-around, vLLM seeds
     are plain ints and ``s + i`` stays within int64 for an int32 ``s``. An
-    unset seed stays unset on every child.
+    unset seed stays unset on every child; a child whose ``s + i`` is -1 is
+    unseeded, as in vLLM (whose ``SamplingParams`` reads seed -1 as none).
 
     Raises:
         RequestRejected: anything :func:`translate_request` refuses; ``n`` above
