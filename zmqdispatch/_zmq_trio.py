@@ -293,12 +293,18 @@ class TrioSocket:
         return self._closed
 
 
-def parse_monitor_event(frames: list[bytes]) -> tuple[int, str]:
-    """``(event, endpoint)`` of one monitor message (libzmq 4 layout:
-    frame 0 = 16-bit event id + 32-bit value, frame 1 = endpoint)."""
+def parse_monitor_event(frames: list[bytes]) -> tuple[int, int, str]:
+    """``(event, value, endpoint)`` of one monitor message (libzmq 4 layout:
+    frame 0 = 16-bit event id + 32-bit value, frame 1 = endpoint). For
+    ``EVENT_ACCEPTED`` / ``EVENT_DISCONNECTED`` the value is the connection's fd."""
     if len(frames) != 2 or len(frames[0]) != 6:
-        return 0, ""
-    return int.from_bytes(frames[0][:2], "little"), frames[1].decode("utf-8", "replace")
+        return 0, 0, ""
+    head = frames[0]
+    return (
+        int.from_bytes(head[:2], "little"),
+        int.from_bytes(head[2:], "little"),
+        frames[1].decode("utf-8", "replace"),
+    )
 
 
 def _translate(exc: zmq.ZMQError, name: str) -> Exception:

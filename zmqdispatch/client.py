@@ -192,19 +192,21 @@ class RequestStream:
         try:
             while add.state is SendState.QUEUED or add.state is SendState.SENDING:
                 await _park(add)
+            if add.state is SendState.FAILED:
+                self._closed = True
+                self._client._protocol.check_alive()
+                raise EngineDeadError("engine died before the request was sent", reason="closed")
+            if add.state is SendState.CANCELLED:
+                self._closed = True
+                raise RequestStreamClosed(
+                    f"request {self.request_id!r} was aborted before it was sent", request_id=self.request_id
+                )
+            # Inside the try: a cancellation landing on this last checkpoint
+            # leaves without __aexit__, so it must abort here (no leak).
+            await trio.lowlevel.checkpoint()
         except BaseException:
             self.abort()
             raise
-        if add.state is SendState.FAILED:
-            self._closed = True
-            self._client._protocol.check_alive()
-            raise EngineDeadError("engine died before the request was sent", reason="closed")
-        if add.state is SendState.CANCELLED:
-            self._closed = True
-            raise RequestStreamClosed(
-                f"request {self.request_id!r} was aborted before it was sent", request_id=self.request_id
-            )
-        await trio.lowlevel.checkpoint()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -310,6 +312,8 @@ class EngineClient:
         self._output = output_sock
         self._process = process
         self._monitor = monitor_sock
+        #: fds of the connections accepted on the input socket (monitor events)
+        self._peer_fds: set[int] = set()
         self._bound_input = ""
         self._bound_output = ""
         self._last_activity = trio.current_time()
@@ -500,8 +504,8 @@ class EngineClient:
         sock = self._monitor
         try:
             while self._protocol.state is LinkState.READY:
-                event, endpoint = parse_monitor_event(await sock.recv_multipart())
-                if event == zmq.EVENT_DISCONNECTED and not self._closing:
+                event, value, endpoint = parse_monitor_event(await sock.recv_multipart())
+                if _engine_gone(self._peer_fds, event, value) and not self._closing:
                     self._died(
                         "disconnected",
                         f"engine {self.engine_index} closed its input connection ({endpoint})",
@@ -696,12 +700,29 @@ async def _handshake(
     return result["identity"], result["ready"]
 
 
-async def _await_reconnect(monitor: TrioSocket | None, timeout: float) -> None:
+def _engine_gone(peer_fds: set[int], event: int, value: int) -> bool:
+    """Track the input socket's connections; True when the last one closed.
+
+    A stray connection (a port scan on a tcp input address, a probe on an ipc
+    path) connects and closes without touching the engine's own connection,
+    so only "no connection left" means the engine went away.
+    """
+    if event == zmq.EVENT_ACCEPTED:
+        peer_fds.add(value)
+        return False
+    if event == zmq.EVENT_DISCONNECTED:
+        peer_fds.discard(value)
+        return not peer_fds
+    return False
+
+
+async def _await_reconnect(monitor: TrioSocket | None, timeout: float, peer_fds: set[int]) -> None:
     assert monitor is not None
     try:
         with trio.fail_after(timeout):
             while True:
-                event, _ = parse_monitor_event(await monitor.recv_multipart())
+                event, value, _ = parse_monitor_event(await monitor.recv_multipart())
+                _engine_gone(peer_fds, event, value)
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     return
     except trio.TooSlowError:
@@ -769,18 +790,21 @@ async def connect(
     process: trio.Process | None = None
     client: EngineClient | None = None
     monitor: TrioSocket | None = None
+    peer_fds: set[int] = set()
     try:
         if config.death_on_disconnect or resume is not None:
-            # Created before bind so no event is missed; the watch task acts
-            # on DISCONNECTED only.
-            monitor = inp.monitor(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED, name="input-monitor")
+            # Created before bind so no event is missed: the watch task counts
+            # the input socket's connections (ACCEPTED / DISCONNECTED).
+            monitor = inp.monitor(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED, name="input-monitor"
+            )
         if resume is not None:
             if launch is not None or handshake_address is not None:
                 raise ValueError("resume= re-attaches to a running engine: no launch or handshake address")
             # ipc paths: stale socket files unlinked, anything else refused (_ipc)
             input_address = inp.bind(await _ipc.prepare_bind(resume.input_address))
             output_address = out.bind(await _ipc.prepare_bind(resume.output_address))
-            await _await_reconnect(monitor, config.handshake_timeout)
+            await _await_reconnect(monitor, config.handshake_timeout, peer_fds)
             identity, ready = resume.identity, resume.ready
         else:
             input_address = inp.bind(await _ipc.prepare_bind(config.input_address or ipc("input.sock")))
@@ -827,6 +851,7 @@ async def connect(
             monitor_sock=monitor,
         )
         client._bound_input, client._bound_output = input_address, output_address
+        client._peer_fds = peer_fds
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._output_pump)
