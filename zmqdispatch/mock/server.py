@@ -80,6 +80,7 @@ class MockEngineConfig:
     headless: bool = False
 
     def fault(self, kind: str) -> int | None:
+        """The N of fault *kind* when it was requested, else ``None``."""
         for k, n in self.faults:
             if k == kind:
                 return n

@@ -130,9 +130,13 @@ class Tokenizer(Protocol):
     incomplete character rendered as U+FFFD (what both libraries do).
     """
 
-    def encode(self, text: str, /, *args: Any, **kwargs: Any) -> Any: ...
+    def encode(self, text: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Token ids of *text*: a list of ints, or an object with ``.ids``."""
+        ...
 
-    def decode(self, ids: Any, /, *args: Any, **kwargs: Any) -> str: ...
+    def decode(self, ids: Any, /, *args: Any, **kwargs: Any) -> str:
+        """Text of *ids* (``skip_special_tokens`` is passed as a keyword)."""
+        ...
 
 
 class TokenizerAdapter:
@@ -165,6 +169,7 @@ class TokenizerAdapter:
         return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        """Text of *ids*, special tokens skipped or kept."""
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def added_tokens(self) -> Mapping[int, str]:

@@ -810,6 +810,7 @@ class LoadSnapshot:
 
     @property
     def kv_usage(self) -> float:
+        """Fraction of KV pages in use (0..1); only for a snapshot with pages."""
         return self.kv_active_pages / self.kv_total_pages
 
 
