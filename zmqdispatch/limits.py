@@ -23,6 +23,15 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 #: cannot make us allocate; this bound only rejects absurd shapes early.
 MAX_TENSOR_ELEMENTS = 64 * 1024 * 1024
 
+#: Largest row count (product of the dimensions before the first 0) of a
+#: zero-size tensor. It holds no bytes, so nothing else bounds the empty lists
+#: a decode would build; vLLM sends ``[0, K+1]`` or ``[0, 0]`` for "no rows".
+MAX_EMPTY_TENSOR_ROWS = 64
+
+#: Largest nesting depth of a structured-output JSON schema (vLLM 0.32's
+#: ``MAX_STRUCTURED_OUTPUT_JSON_NESTING``); deeper ones are refused, not recursed into.
+MAX_JSON_NESTING = 64
+
 #: Largest number of outputs in one ``EngineCoreOutputs`` (vLLM's
 #: ``max_num_seqs`` is typically 256-1024).
 MAX_OUTPUTS_PER_MESSAGE = 65_536

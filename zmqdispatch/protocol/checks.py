@@ -29,6 +29,20 @@ _TEMPERATURE_MAX = 2.0
 _INT32_MAX = 2**31 - 1
 
 
+def json_depth(value: object) -> int:
+    """Nesting depth of a decoded JSON value (objects and arrays), without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            depth = max(depth, d)
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, (list, tuple)):
+            depth = max(depth, d)
+            stack.extend((x, d + 1) for x in v)
+    return depth
+
+
 def _reject(rid: str, field: str, message: str) -> RequestRejected:
     return RequestRejected(f"{field}: {message}", request_id=rid, field=field)
 
@@ -127,6 +141,8 @@ def check_sampling_params(
             raise bad("structured_outputs", f"must set exactly one constraint, got {kinds or 'none'}")
         if so.json is not None and not isinstance(so.json, (str, dict)):
             raise bad("structured_outputs", "json must be a JSON Schema object or its text")
+        if isinstance(so.json, dict) and json_depth(so.json) > limits.MAX_JSON_NESTING:
+            raise bad("structured_outputs", f"json nests deeper than {limits.MAX_JSON_NESTING} levels")
     if sp.allowed_token_ids is not None:
         if len(sp.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "must not be empty")

@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import EngineRequestError, SlowConsumerError
+from ..errors import EngineRequestError, RemoteProtocolError, SlowConsumerError
 from ..wire import vllm as wire
 
 __all__ = ["OutputDelta", "Mailbox", "PUT_MORE", "PUT_FINISHED", "PUT_OVERFLOW"]
@@ -161,7 +161,15 @@ class Mailbox:
         self.pending_tokens += len(tokens)
         lp = row[_O_LOGPROBS]
         if lp is not None:
-            d.logprobs = _extend_lists(d.logprobs, wire.decode_logprobs_lists(lp, frames))
+            lists = wire.decode_logprobs_lists(lp, frames)
+            if len(lists.token_ids) != len(tokens):
+                # One row per new token (vLLM LogprobsLists): anything else is a
+                # broken peer, and unbounded rows would bypass max_pending_tokens
+                # (found by fuzzing: rows over one shared aux frame).
+                raise RemoteProtocolError(
+                    f"request {self.request_id!r}: {len(lists.token_ids)} logprob rows for {len(tokens)} new tokens"
+                )
+            d.logprobs = _extend_lists(d.logprobs, lists)
         plp = row[_O_PROMPT_LOGPROBS]
         if plp is not None:
             d.prompt_logprobs = _extend_lists(d.prompt_logprobs, wire.decode_logprobs_tensors(plp, frames))

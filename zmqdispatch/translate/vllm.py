@@ -50,6 +50,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from .. import limits
 from ..errors import RequestRejected
+from ..protocol.checks import json_depth
 from ..protocol.mailbox import OutputDelta
 from ..wire import vllm as wire
 from .stops import StopPlan, StopStringMatcher, resolve_stop_strings
@@ -227,8 +228,10 @@ def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.S
             raise _reject(rid, field, "must not be empty")
         try:
             schema = json.loads(text)  # vLLM's OpenAI server passes the schema as an object
-        except ValueError:
-            raise _reject(rid, field, "is not valid JSON") from None
+        except (ValueError, RecursionError):
+            raise _reject(rid, field, "is not valid JSON (or nests too deeply to parse)") from None
+        if json_depth(schema) > limits.MAX_JSON_NESTING:
+            raise _reject(rid, field, f"nests deeper than {limits.MAX_JSON_NESTING} levels (vLLM's limit)")
         if not isinstance(schema, dict):
             # e.g. "null" would leave no constraint at all, which vLLM's own
             # checks reject in the engine's input thread (killing it).

@@ -295,12 +295,22 @@ def decode_tensor(raw: Any, frames: Sequence[Any], *, field: str = "tensor") -> 
         raise RemoteProtocolError(f"{field}: shape must be an array of at most {MAX_NDIM} ints")
     numel = 1
     max_elements = _limits.MAX_TENSOR_ELEMENTS
+    lead = 1  # product of the dims before the first 0: the empty lists tolist() would build
     for d in shape:
         if type(d) is not int or d < 0:
             raise RemoteProtocolError(f"{field}: shape must hold non-negative ints, got {d!r}")
+        if numel:
+            lead = numel
         numel *= d
         if numel > max_elements:
             raise RemoteProtocolError(f"{field}: shape {list(shape)} exceeds {max_elements} elements")
+    if numel == 0 and lead > _limits.MAX_EMPTY_TENSOR_ROWS:
+        # A zero-size tensor carries no bytes, but [2**26, 0] would still make
+        # tolist() build 2**26 empty lists (found by fuzz/tensors.py).
+        raise RemoteProtocolError(
+            f"{field}: empty tensor of shape {list(shape)} claims more than "
+            f"{_limits.MAX_EMPTY_TENSOR_ROWS} rows"
+        )
     if type(data) is int:
         if not 1 <= data < len(frames):
             raise RemoteProtocolError(f"{field}: aux frame index {data} out of range 1..{len(frames) - 1}")
