@@ -24,6 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import attrs
 import pytest
 import trio
@@ -106,10 +109,13 @@ def engine_argv(vllm_py: str, model_dir: str, handshake: str) -> list[str]:
             "--max-model-len", str(MAX_MODEL_LEN), "--parent-pid", str(os.getpid())]
 
 
-@pytest.fixture(scope="session")
-def real_engine(vllm_py, model_dir):
-    """One real EngineCore, handshaken once; tests attach with ``connect(resume=...)``."""
-    d = tempfile.mkdtemp(prefix="zqreal-")
+@contextmanager
+def started_engine(vllm_py: str, model_dir: str, *extra_args: str, prefix: str = "zqreal-") -> Iterator[RealEngine]:
+    """Start one real EngineCore on fixed ipc addresses, handshake it once, and
+    yield a :class:`RealEngine` whose ``session`` tests re-attach to with
+    ``connect(resume=...)``. The engine is terminated on exit; its log is
+    printed when the handshake fails."""
+    d = tempfile.mkdtemp(prefix=prefix)
     cfg = ClientConfig(
         handshake_timeout=300,
         input_address=f"ipc://{d}/in.sock",
@@ -121,8 +127,8 @@ def real_engine(vllm_py, model_dir):
     )
     handshake = f"ipc://{d}/hs.sock"
     log = open(os.path.join(d, "engine.log"), "wb")
-    proc = subprocess.Popen(engine_argv(vllm_py, model_dir, handshake), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(engine_argv(vllm_py, model_dir, handshake) + list(extra_args), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
     async def handshake_once() -> EngineSession:
         async with connect(handshake, config=cfg) as client:
@@ -139,12 +145,21 @@ def real_engine(vllm_py, model_dir):
         print(open(os.path.join(d, "engine.log"), errors="replace").read()[-4000:], file=sys.stderr)
         shutil.rmtree(d, ignore_errors=True)
         raise
-    yield RealEngine(session, cfg, proc, model_dir)
-    proc.terminate()
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
-    shutil.rmtree(d, ignore_errors=True)
+        yield RealEngine(session, cfg, proc, model_dir)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def real_engine(vllm_py, model_dir):
+    """One real EngineCore, handshaken once; tests attach with ``connect(resume=...)``."""
+    with started_engine(vllm_py, model_dir) as engine:
+        yield engine

