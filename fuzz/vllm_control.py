@@ -35,7 +35,7 @@ import math
 import atheris
 
 with atheris.instrument_imports():
-    from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError, UtilityCallError
+    from zmqdispatch.errors import EngineDeadError, LocalProtocolError, RemoteProtocolError, UtilityCallError
     from zmqdispatch.protocol.engine import EngineProtocol
     from zmqdispatch.wire import tokenspeed as ts
     from zmqdispatch.wire import vllm as wire
@@ -85,7 +85,8 @@ def _utility(frames: list[bytes], budget: int) -> None:
     p.frames_received(frames)  # never raises
     for call in calls:
         if call.done:
-            assert call.error is None or isinstance(call.error, UtilityCallError)
+            # a reply's failure_message, or the link's death (sentinel) for every pending call
+            assert call.error is None or isinstance(call.error, (UtilityCallError, EngineDeadError))
         if call.done and ok and msg.utility_output is not None and msg.utility_output.call_id == call.call_id:
             assert (call.error is not None) == (msg.utility_output.failure_message is not None)
 
