@@ -22,8 +22,6 @@ interrupted. Failures print one line on stderr, no traceback.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import uuid
 from collections.abc import Sequence
@@ -98,8 +96,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser(
         "mock-engine",
-        help="run the wire-faithful mock vLLM engine",
-        description="A mock vLLM EngineCore that dials ADDR like the real one (see zmqdispatch.mock.server).",
+        help="run the wire-faithful mock engine (vLLM EngineCore or TokenSpeed scheduler)",
+        description="A mock vLLM EngineCore (or, with --runtime tokenspeed, TokenSpeed scheduler) that dials "
+                    "ADDR like the real one (see zmqdispatch.mock.server).",
     )
     m.add_argument("--handshake-address", required=True, metavar="ADDR")
     m.add_argument("--runtime", choices=RUNTIMES, default="vllm", help="which engine to imitate (default vllm)")

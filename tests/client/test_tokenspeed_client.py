@@ -20,7 +20,6 @@ from zmqdispatch.fanout import generate_parallel
 from zmqdispatch.mock.core import mock_token
 from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel
-from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request, make_ts_request

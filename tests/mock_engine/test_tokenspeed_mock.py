@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import attrs
-import pytest
 
 from zmqdispatch import limits
 from zmqdispatch.mock.core import mock_token
