@@ -208,3 +208,18 @@ async def test_engine_sentinel_fails_every_stream():
         with pytest.raises(EngineDeadError) as ei:
             await collect(client.generate(make_ts_request("t1", max_new_tokens=10_000)))
         assert ei.value.reason == "sentinel"
+
+
+async def test_the_mock_drops_malformed_input_and_keeps_serving():
+    # TokenSpeed logs and drops what does not decode (no reply): a client must never
+    # send such a frame, and the mock must not die on one either.
+    from zmqdispatch.protocol.engine import Outgoing
+
+    async with tokenspeed_pair() as (engine, client):
+        p = client.protocol
+        for frames in ([b"\x00", b"\xc1junk"], [b"\x07", b"\x90"], [b"\x00"]):
+            p._outbox.append(Outgoing([p.identity, *frames]))
+        p._wake_sender()
+        deltas = await collect(client.generate(make_ts_request("ok", max_new_tokens=2)))
+        assert deltas[-1].finish_reason is wire.FinishReason.LENGTH
+        assert engine.dropped == 3 and engine.core.requests_received == 1
