@@ -150,6 +150,24 @@ class Mailbox:
             return PUT_FINISHED
         tokens = row[_O_TOKENS]
         finish = row[_O_FINISH]
+        if finish is None and row[_O_LOGPROBS] is None and row[_O_PROMPT_LOGPROBS] is None and row[_O_PREFILL] is None:
+            # The hot path, a plain decode tick: new tokens only.
+            d = self.pending
+            if d is None:
+                self.pending = OutputDelta(self.request_id, list(tokens), None, None, None, None, None, None, 1,
+                                           timestamp)
+            else:
+                d.token_ids += tokens
+                d.ticks += 1
+                d.engine_timestamp = timestamp
+            self.pending_tokens += len(tokens)
+            if self.pending_tokens > self.max_pending_tokens:
+                return self._overflow()
+            w = self.waiter
+            if w is not None:
+                self.waiter = None
+                w()
+            return PUT_MORE
         if finish == _ERROR:
             self._put_engine_error(row)
             return PUT_FINISHED
