@@ -3,7 +3,7 @@
 libzmq closes the output PULL's connection to the engine itself when a frame
 exceeds ``MAXMSGSIZE`` (= ``limits.MAX_FRAME_BYTES``): the frame and whatever
 the engine had already written after it are gone, and the engine's PUSH
-reconnects 100 ms later as if nothing happened. Measured with libzmq 4.3.5:
+reconnects 100 ms later as if nothing happened. Measured with libzmq 4.3.5 (ipc and tcp):
 the PULL's monitor sees ``EVENT_DISCONNECTED`` for that connection (no other
 event), the same as when the engine closes it; a connection that never
 completed its ZMTP handshake (a probe) gets ``EVENT_HANDSHAKE_FAILED_NO_DETAIL``
