@@ -176,7 +176,10 @@ class RequestStream:
         RequestStreamClosed: iterating a stream that was aborted.
     """
 
-    __slots__ = ("_client", "request_id", "_mailbox", "_add", "_eof", "_closed", "_entered", "_receiving")
+    __slots__ = (
+        "_client", "request_id", "_mailbox", "_add", "_eof", "_closed", "_entered", "_receiving", "_task",
+        "_waker", "_aborter",
+    )
 
     def __init__(self, client: EngineClient, request_id: str, mailbox: Mailbox, add: Outgoing) -> None:
         self._client = client
@@ -187,6 +190,11 @@ class RequestStream:
         self._closed = False  # aborted / exited before the final delta
         self._entered = False
         self._receiving = False
+        # The parked consumer and its wake / abort hooks, bound once per stream
+        # (a park per delivery is the hot path: no closures per park).
+        self._task: Any = None
+        self._waker = self._wake
+        self._aborter = self._abort_park
 
     def __repr__(self) -> str:
         return f"<RequestStream {self.request_id!r} eof={self._eof} closed={self._closed} {self._mailbox!r}>"
@@ -270,9 +278,20 @@ class RequestStream:
         finally:
             self._receiving = False
 
+    def _wake(self) -> None:  # the mailbox's waiter: called once by the router task
+        task = self._task
+        self._task = None
+        trio.lowlevel.reschedule(task)
+
+    def _abort_park(self, _: Any) -> trio.lowlevel.Abort:
+        self._mailbox.waiter = None
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
     async def _receive(self) -> OutputDelta:
         mb = self._mailbox
         await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
         while True:
             if self._eof:
                 raise trio.EndOfChannel
@@ -282,18 +301,33 @@ class RequestStream:
             if delta is not None:
                 if delta.finish_reason is not None:
                     self._eof = True
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not parked:
+                    # Nothing waited yet: give the scheduler its turn. After a
+                    # park that turn was the park (one scheduler pass, not two).
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return delta
-            await _park(mb)
+            self._task = trio.lowlevel.current_task()
+            mb.waiter = self._waker
+            await trio.lowlevel.wait_task_rescheduled(self._aborter)
+            parked = True
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> OutputDelta:
+        # receive() without its frame: the per-delivery path
+        if not self._entered or self._receiving:
+            try:
+                return await self.receive()  # raises the misuse errors
+            except trio.EndOfChannel:
+                raise StopAsyncIteration from None
+        self._receiving = True
         try:
-            return await self.receive()
+            return await self._receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
+        finally:
+            self._receiving = False
 
 
 class EngineClient:
@@ -431,12 +465,16 @@ class EngineClient:
             DuplicateRequestIdError: the ``request_id`` is live.
             EngineDeadError: the engine is dead or the client closed.
         """
+        mailbox, add = self._submit(request)
+        return RequestStream(self, mailbox.request_id, mailbox, add)
+
+    def _submit(self, request: Any) -> tuple[Mailbox, Outgoing]:
+        """Validate and queue *request*; its mailbox and ADD (see :meth:`generate`)."""
         self.check_request(request)
         p = self._protocol
         if p.inflight == 0:
             self._last_activity = trio.current_time()
-        mailbox, add = p.submit(request)
-        return RequestStream(self, mailbox.request_id, mailbox, add)
+        return p.submit(request)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""
@@ -518,6 +556,21 @@ class EngineClient:
                 await _park_sender(p)
                 continue
             try:
+                # Drain what the socket takes at once (one scheduler pass per
+                # burst, not per message: under heavy output an ADD per pass
+                # starved admission), then the awaited send for the rest.
+                burst = limits.SEND_BURST_LIMIT
+                while sock.try_send(out.frames):
+                    p.send_done(out)
+                    burst -= 1
+                    out = p.pop_send()
+                    if out is None or not burst:
+                        break
+                if out is None:
+                    await trio.lowlevel.checkpoint()
+                    continue
+                # The socket is full, or the burst is over: the awaited send
+                # yields (and waits for room, bounded by send_timeout).
                 await sock.send(out.frames, timeout=timeout)
             except PeerUnreachable:
                 self._died("unreachable", f"engine {self.engine_index} is not connected to the input socket (EHOSTUNREACH)")

@@ -106,6 +106,11 @@ DEFAULT_UTILITY_TIMEOUT = 30.0
 #: tasks (trio_zmq.md section 2.1, case 5: an unbounded drain starves everyone).
 RECV_BATCH_LIMIT = 256
 
+#: Input messages handed to the socket in one go before the input pump yields
+#: (one scheduler pass per message starved admission under heavy output; an
+#: unbounded burst would starve everyone else instead).
+SEND_BURST_LIMIT = 256
+
 #: Seconds we wait for a spawned engine to exit after SIGTERM before SIGKILL.
 #: vLLM's EngineCore takes 4-5 s to shut its worker down gracefully.
 DEFAULT_TERMINATE_GRACE = 8.0
