@@ -1,4 +1,4 @@
-"""Command line: ``zmqdispatch generate`` and ``zmqdispatch mock-engine``.
+"""Command line: ``zmqdispatch generate``, ``zmqdispatch mock-engine`` and ``zmqdispatch bench``.
 
 ``generate`` reads a proto-JSON ``vllm.grpc.engine.GenerateRequest`` (or builds
 one from flags), dispatches it to one engine and prints every
@@ -34,6 +34,7 @@ from .errors import EngineError, RequestError, RequestRejected, ZmqDispatchError
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
 from .fanout import generate_parallel
+from .bench import harness as bench_harness
 from .protocol.checks import check_request
 from .translate.vllm import TranslationConfig, pb, translate_parallel
 
@@ -107,6 +108,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KIND[:N]",
         help="sentinel:N, exit:N, garbage:N, silent:N, stop-reading:N, no-ready (repeatable)",
     )
+    b = sub.add_parser("bench", help="transport benchmark: zmqdispatch vs the raw limit vs vLLM's client",
+                       description="See zmqdispatch.bench.harness (progress bar and PNG: the 'bench' extra).")
+    bench_harness.add_arguments(b)
     return parser
 
 
@@ -230,6 +234,8 @@ def _fail(code: int, message: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status."""
     args = _build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench_harness.main(args)
     if args.command == "mock-engine":
         try:
             faults = tuple(parse_fault(f) for f in args.fault)
