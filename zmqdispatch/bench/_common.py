@@ -149,6 +149,18 @@ class Control:
             raise RuntimeError(f"bench engine: {data['error']}")
         return data
 
+    def hold(self, tokens_per_tick: int) -> tuple[int, int]:
+        """Start a cell: the engine accepts ADDs but does not step, so every
+        client admits its C streams without stepping traffic in the way.
+        Returns ``(adds so far, the epoch the next cfg will open)``."""
+        cfg = self.request("cfg", {"mode": "hold", "window": 0, "tokens_per_tick": tokens_per_tick})
+        return cfg["adds"], cfg["epoch"] + 1
+
+    def run(self, cell: dict[str, Any]) -> dict[str, Any]:
+        """Let the engine step with the cell's interval and window (a new epoch)."""
+        return self.request("cfg", {"mode": "run", "step_interval_ms": cell["step_interval_ms"],
+                                    "window": cell["window"]})
+
     def wait_idle(self, timeout: float = 60.0) -> dict[str, Any]:
         """Poll until the engine runs no request (teardown of a cell)."""
         deadline = time.monotonic() + timeout

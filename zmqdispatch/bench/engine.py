@@ -635,41 +635,45 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGTERM (the runner, or zmqdispatch's launch= teardown) ends the loop
+    # wherever it is, like Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     ctx = zmq.Context()
-    control = None
-    if args.control:
-        control = ctx.socket(zmq.ROUTER)
-        control.setsockopt(zmq.LINGER, 0)
-        control.bind(args.control)
-    inp, out = dial(
-        ctx,
-        _ready_response(args.max_model_len, args.engine_index),
-        engine_index=args.engine_index,
-        handshake_address=args.handshake_address,
-        input_address=args.input_address,
-        output_address=args.output_address,
-    )
-    engine = BenchEngine(
-        inp,
-        out,
-        control,
-        engine_index=args.engine_index,
-        mode=args.mode,
-        step_interval=args.step_interval_ms / 1000.0,
-        tokens_per_tick=args.tokens_per_tick,
-        window=args.window,
-        parent_pid=args.parent_pid,
-    )
+    socks: list[zmq.Socket] = []
     try:
+        control = None
+        if args.control:
+            control = ctx.socket(zmq.ROUTER)
+            control.setsockopt(zmq.LINGER, 0)
+            control.bind(args.control)
+            socks.append(control)
+        inp, out = dial(
+            ctx,
+            _ready_response(args.max_model_len, args.engine_index),
+            engine_index=args.engine_index,
+            handshake_address=args.handshake_address,
+            input_address=args.input_address,
+            output_address=args.output_address,
+        )
+        socks += [inp, out]
+        engine = BenchEngine(
+            inp,
+            out,
+            control,
+            engine_index=args.engine_index,
+            mode=args.mode,
+            step_interval=args.step_interval_ms / 1000.0,
+            tokens_per_tick=args.tokens_per_tick,
+            window=args.window,
+            parent_pid=args.parent_pid,
+        )
         engine.serve()
     except KeyboardInterrupt:
         pass
     finally:
-        inp.close(0)
-        out.close(0)
-        if control is not None:
-            control.close(0)
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
     return 0
 
 

@@ -7,8 +7,10 @@ the figures are the medians over the rounds. Fresh runner processes every
 round; the idle-stream RSS cell runs first in each, before anything else has
 grown the heap.
 
-Cells (defaults; ``--seconds`` per cell, after every stream got output and
-``--warmup`` more seconds):
+Cells (defaults). Every cell first opens its C streams on a holding engine
+(it accepts the ADDs and does not step), then lets it step; the window of
+``--seconds`` starts once every stream got output, plus ``--warmup`` seconds.
+Admitting streams under load is not what these cells measure.
 
 ==================  =========================================================
 ``idle-rss``        ``--idle-streams`` streams open on an engine that never
@@ -339,7 +341,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
                          + (2 * settings.real_rounds if settings.real_engine and "vllm" not in skipped else 0),
                          settings.progress)
     try:
-        for rnd in range(settings.rounds):
+        for rnd in range(settings.rounds if settings.cells else 0):
             runners: dict[str, Runner] = {}
             try:
                 progress.describe(f"round {rnd + 1}/{settings.rounds}: starting runners")
@@ -455,8 +457,8 @@ def _one_line(cell: dict[str, Any], res: dict[str, Any]) -> str:
     if cell["kind"] == "idle_rss":
         return f"{cell['name']} {client}: {res['rss_per_stream_bytes']:,.0f} B/stream"
     lat = res["latency_ms"]
-    return (f"{cell['name']} {client}: {res['request_ticks_per_s']:,.0f} req-ticks/s, "
-            f"{res['cpu_us_per_tick']:.2f} us/tick, p99 {lat['p99']:.2f} ms")
+    return (f"{cell['name']} {client}: {_fmt(res['request_ticks_per_s'], ',.0f')} req-ticks/s, "
+            f"{_fmt(res['cpu_us_per_tick'], '.2f')} us/tick, p99 {_fmt(lat['p99'], '.2f')} ms")
 
 
 def _fmt(v: Any, spec: str) -> str:

@@ -82,10 +82,9 @@ class RawLoop:
         if cell["slow_fraction"] > 0:
             return {"client": "raw", "cell": cell["name"], "skipped": "no per-request consumers in the raw loop"}
         self.cell_no += 1
-        cfg = self.ctl.request("cfg", {"mode": "run", "step_interval_ms": cell["step_interval_ms"],
-                                       "tokens_per_tick": cell["tokens_per_tick"], "window": cell["window"]})
+        adds, epoch = self.ctl.hold(cell["tokens_per_tick"])
         acker = self.acker
-        acker.start(cfg["epoch"], cell["window"])
+        acker.start(epoch, cell["window"])
         c = cell["concurrency"]
         ids = [f"r{self.cell_no}-{i}" for i in range(c)]
         for i, rid in enumerate(ids):
@@ -96,6 +95,8 @@ class RawLoop:
                 arrival_time=time.time(),
             )
             self.router.send_multipart([self.identity, _ADD, *wire.encode_request(req)])
+        self.ctl.wait_adds(adds + c)
+        assert self.ctl.run(cell)["epoch"] == epoch
 
         tally = common.Tally()
         pull, unpackb, monotonic = self.pull, msgpack.unpackb, time.monotonic
@@ -131,8 +132,10 @@ class RawLoop:
                         tally.deliveries += n
                     acker.delivered(n)
                     last_rows = n
-                if until_rows and last_rows >= until_rows:
-                    return last_rows
+                    if until_rows and last_rows >= until_rows:
+                        return last_rows
+                    if monotonic() >= deadline:
+                        return last_rows
 
         # Warm-up: until one message covers every stream, then warmup_s.
         ramp_deadline = monotonic() + 120

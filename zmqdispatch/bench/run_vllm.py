@@ -164,10 +164,8 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
         nonlocal cell_no
         cell_no += 1
         k = cell["tokens_per_tick"]
-        cfg = await to_thread(ctl.request, "cfg", {
-            "mode": "run", "step_interval_ms": cell["step_interval_ms"], "tokens_per_tick": k, "window": cell["window"],
-        })
-        acker.start(cfg["epoch"], cell["window"])
+        adds, epoch = await to_thread(ctl.hold, k)
+        acker.start(epoch, cell["window"])
         tally = common.Tally()
         toks, recv = array("q"), array("d")
         toks_slow, recv_slow = array("q"), array("d")
@@ -202,6 +200,8 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
         c = cell["concurrency"]
         tasks = [asyncio.create_task(consume(i, common.is_slow(i, cell["slow_fraction"]))) for i in range(c)]
         try:
+            await to_thread(ctl.wait_adds, adds + c)
+            await to_thread(ctl.run, cell)
             deadline = time.monotonic() + 120
             while tally.first_seen < c:
                 if time.monotonic() > deadline:

@@ -52,10 +52,8 @@ class Runner:
     async def throughput(self, cell: dict[str, Any]) -> dict[str, Any]:
         self.cell_no += 1
         client, acker = self.client, self.acker
-        k = cell["tokens_per_tick"]
-        cfg = await self._ctl("cfg", {"mode": "run", "step_interval_ms": cell["step_interval_ms"],
-                                      "tokens_per_tick": k, "window": cell["window"]})
-        acker.start(cfg["epoch"], cell["window"])
+        adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
+        acker.start(epoch, cell["window"])
         tally = common.Tally()
         delay = cell["slow_delay_ms"] / 1000.0
         now = time.monotonic
@@ -82,6 +80,8 @@ class Runner:
         async with trio.open_nursery() as nursery:
             for i in range(c):
                 nursery.start_soon(consume, i, common.is_slow(i, cell["slow_fraction"]))
+            await trio.to_thread.run_sync(self.ctl.wait_adds, adds + c)
+            await trio.to_thread.run_sync(self.ctl.run, cell)
             with trio.fail_after(120):
                 while tally.first_seen < c:
                     await trio.sleep(0.02)
