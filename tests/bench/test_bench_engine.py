@@ -98,7 +98,7 @@ def test_engine_process_serves_raw_client(tmp_path) -> None:
             msgs.append(_decode(pull.recv()))
         # Window of 6 request-ticks and nothing acked: the engine waits.
         assert not pull.poll(200)
-        acker = common.Acker(ctx, ctl_addr)
+        acker = common.Acker(ctl_addr)
         acker.start(cfg["epoch"], 6)
         acker.delivered(6)
         assert pull.poll(5000)

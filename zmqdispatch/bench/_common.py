@@ -29,7 +29,7 @@ from typing import Any, TextIO
 
 import zmq
 
-ACK = struct.Struct("<IQ")
+ACK = struct.Struct("<IIQ")  # epoch, 0, request-ticks received in all
 
 #: Cell keys and their defaults (the harness fills every key).
 CELL_DEFAULTS: dict[str, Any] = {
@@ -110,10 +110,17 @@ class PrivateDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+def ack_fifo_path(control: str) -> str:
+    """The ack FIFO next to the control socket ``ipc://DIR/NAME``."""
+    return os.path.join(os.path.dirname(control[len("ipc://"):]), "acks.fifo")
+
+
 def engine_argv(engine_python: str, *, control: str, **attach: str) -> list[str]:
     """The bench engine's command line; *attach*: ``handshake_address`` or
-    ``input_address`` + ``output_address``."""
-    argv = [engine_python, "-m", "zmqdispatch.bench.engine", "--control", control, "--parent-pid", str(os.getpid())]
+    ``input_address`` + ``output_address``. The engine creates the ack FIFO
+    (:func:`ack_fifo_path`) before it dials."""
+    argv = [engine_python, "-m", "zmqdispatch.bench.engine", "--control", control, "--parent-pid", str(os.getpid()),
+            "--ack-fifo", ack_fifo_path(control)]
     for key, value in attach.items():
         argv += [f"--{key.replace('_', '-')}", value]
     return argv
@@ -191,15 +198,18 @@ class Acker:
     """Reports delivered request-ticks to the engine's credit window.
 
     Call :meth:`delivered` from the consumers (one thread); every
-    ``ack_every(window)`` ticks it sends one non-blocking message.
+    ``ack_every(window)`` ticks it writes one 16-byte record to the engine's
+    ack FIFO (non-blocking; a full pipe drops the record, the next one
+    carries the newer total).
+
+    Args:
+        control: the engine's control address (the FIFO lies next to it).
     """
 
-    __slots__ = ("sock", "epoch", "total", "every", "next_at")
+    __slots__ = ("fd", "epoch", "total", "every", "next_at")
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+    def __init__(self, control: str) -> None:
+        self.fd = os.open(ack_fifo_path(control), os.O_WRONLY | os.O_NONBLOCK)
         self.epoch = 0
         self.total = 0
         self.every = 1 << 62
@@ -216,12 +226,12 @@ class Acker:
         if self.total >= self.next_at:
             self.next_at = self.total + self.every
             try:
-                self.sock.send_multipart([b"ack", ACK.pack(self.epoch, self.total)], zmq.NOBLOCK)
-            except zmq.Again:
+                os.write(self.fd, ACK.pack(self.epoch, 0, self.total))
+            except BlockingIOError:
                 pass
 
     def close(self) -> None:
-        self.sock.close(0)
+        os.close(self.fd)
 
 
 # ---------------------------------------------------------------------- figures

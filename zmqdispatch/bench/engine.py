@@ -36,10 +36,15 @@ plain blocking pyzmq loop, not trio (this program is a load generator, not
 part of the library's I/O shell).
 
 Credit window: a step goes out only while ``sent - acked < window`` request
-ticks, ``acked`` being what the client's consumers reported over the control
-socket. Without it, an engine stepping "as fast as possible" against a slower
-client grows the client's receive queue without bound (vLLM's sockets and
-ours use HWM 0), and throughput and memory then measure that queue.
+ticks, ``acked`` being what the client's consumers reported. Without it, an
+engine stepping "as fast as possible" against a slower client grows the
+client's receive queue without bound (vLLM's sockets and ours use HWM 0), and
+throughput and memory then measure that queue. Acks travel through a FIFO
+(``--ack-fifo``, created here; 16-byte records ``struct "<IIQ"``: epoch, 0,
+request-ticks received in all), not a zmq socket: one ``os.write`` per ack
+costs the client a syscall, where a zmq send would also wake its libzmq I/O
+thread, which on a 2-core machine preempts the client (seen as ~5 % of its
+time in py-spy).
 
 Control socket (``--control ADDR``, bound here as a ROUTER; frames after the
 peer identity):
@@ -47,8 +52,6 @@ peer identity):
 ================  =============================================  ====================
 request           meaning                                        reply
 ================  =============================================  ====================
-``ack E N``       epoch E's consumers received N request-ticks   none
-                  in all (``struct "<IQ"``)
 ``cfg JSON``      mode (run / hold), step_interval_ms,           ``{"epoch": E, ...}``
                   tokens_per_tick, window; new epoch, counters
 ``mark``          start a measurement window (counters, table)   stats JSON
@@ -77,7 +80,7 @@ import zmq
 from ..mock.core import MockEngineCore
 from ..wire import vllm as wire
 
-__all__ = ["StepEncoder", "BenchEngine", "token_for_step", "main"]
+__all__ = ["StepEncoder", "BenchEngine", "open_ack_fifo", "token_for_step", "main"]
 
 #: Token ids are ``step % TOKEN_MODULUS`` (below vLLM's int32 and our MAX_TOKEN_ID).
 TOKEN_MODULUS = 2**31
@@ -86,7 +89,7 @@ _SENTINEL = 0xFFFFFFFF
 _SENTINEL_BYTES = b"\xce\xff\xff\xff\xff"
 _ZERO_FLOAT = b"\xcb" + bytes(8)
 _NIL = b"\xc0"
-_ACK = struct.Struct("<IQ")
+_ACK = struct.Struct("<IIQ")
 _FLOAT = struct.Struct(">Bd")
 
 
@@ -392,6 +395,7 @@ class BenchEngine:
             and never steps (idle streams).
         step_interval: seconds between steps; 0 = as fast as the window allows.
         window: request-ticks in flight before a step waits for acks (0 = none).
+        ack_fd: the read end of the ack FIFO (:func:`open_ack_fifo`), or None.
     """
 
     #: seconds between input/control drains while stepping flat out
@@ -409,6 +413,7 @@ class BenchEngine:
         tokens_per_tick: int = 1,
         window: int = 0,
         parent_pid: int | None = None,
+        ack_fd: int | None = None,
     ) -> None:
         self.inp, self.out, self.control = inp, out, control
         self.engine_index = engine_index
@@ -427,6 +432,22 @@ class BenchEngine:
         self.counters = _Counters(0)
         self.table = array("d")
         self.stopping = False
+        self.ack_fd = ack_fd
+        self._ack_buf = b""
+
+    def _read_acks(self) -> None:
+        try:
+            data = os.read(self.ack_fd, 65536)
+        except BlockingIOError:
+            return
+        buf = self._ack_buf + data
+        size = _ACK.size
+        whole = len(buf) - len(buf) % size
+        for off in range(0, whole, size):
+            epoch, _, total = _ACK.unpack_from(buf, off)
+            if epoch == self.epoch and total > self.acked:
+                self.acked = total
+        self._ack_buf = buf[whole:]
 
     # ------------------------------------------------------------------ input
 
@@ -495,11 +516,6 @@ class BenchEngine:
         if len(frames) < 2:
             return
         peer, op = frames[0], frames[1]
-        if op == b"ack":
-            epoch, total = _ACK.unpack(frames[2])
-            if epoch == self.epoch and total > self.acked:
-                self.acked = total
-            return
         if op == b"cfg":
             cfg = json.loads(frames[2])
             reply = self._configure(cfg)
@@ -542,6 +558,8 @@ class BenchEngine:
 
     def _drain(self) -> None:
         inp, ctl = self.inp, self.control
+        if self.ack_fd is not None:
+            self._read_acks()
         while True:
             try:
                 frames = inp.recv_multipart(zmq.NOBLOCK)
@@ -589,6 +607,13 @@ class BenchEngine:
         poller.register(self.inp, zmq.POLLIN)
         if self.control is not None:
             poller.register(self.control, zmq.POLLIN)
+        # Acks wake the engine only while the window holds a step back: an
+        # ack that wakes an engine which has nothing to do would take the
+        # client's core away from it at once (wake-up preemption).
+        stalled_poller = zmq.Poller()
+        for sock in (self.inp, self.control, self.ack_fd):
+            if sock is not None:
+                stalled_poller.register(sock, zmq.POLLIN)
         last_io = 0.0
         last_parent_check = time.monotonic()
         while not self.stopping:
@@ -608,7 +633,9 @@ class BenchEngine:
             timeout = 500.0 if wait is None else min(500.0, math.floor(wait * 1000.0))
             if self.window and wait is None and self.encoder.running and self.mode == "run":
                 self.counters.stalls += 1
-            poller.poll(timeout)
+                stalled_poller.poll(timeout)
+            else:
+                poller.poll(timeout)
             self._drain()
             last_io = time.monotonic()
             if last_io - last_parent_check > 1.0:
@@ -617,12 +644,23 @@ class BenchEngine:
                     return
 
 
+def open_ack_fifo(path: str) -> int:
+    """Create the ack FIFO and open its read end (non-blocking). A write end
+    stays open here too, so a client closing its end never makes the read
+    side report EOF (which would make the poller spin)."""
+    os.mkfifo(path, 0o600)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # keep-alive writer, closed at exit
+    return fd
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zmqdispatch.bench.engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--handshake-address", help="dial this handshake ROUTER (zmqdispatch.connect)")
     p.add_argument("--input-address", help="dial the input ROUTER directly (vLLM client_addresses, raw loop)")
     p.add_argument("--output-address", help="dial the output PULL directly")
     p.add_argument("--control", help="bind the control ROUTER here")
+    p.add_argument("--ack-fifo", help="create this FIFO and read the consumers' acks from it")
     p.add_argument("--engine-index", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=2**20)
     p.add_argument("--mode", choices=("run", "hold"), default="run")
@@ -640,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
+    # Before dialing: a client opens the FIFO's write end once we answered.
+    ack_fd = open_ack_fifo(args.ack_fifo) if args.ack_fifo else None
     try:
         control = None
         if args.control:
@@ -666,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_tick=args.tokens_per_tick,
             window=args.window,
             parent_pid=args.parent_pid,
+            ack_fd=ack_fd,
         )
         engine.serve()
     except KeyboardInterrupt:

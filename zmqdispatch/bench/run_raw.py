@@ -52,7 +52,7 @@ class RawLoop:
             raise TimeoutError("the bench engine sent no ready response within 60 s")
         self.identity, _ready = self.router.recv_multipart()
         self.ctl = common.Control(ctx, ctl)
-        self.acker = common.Acker(ctx, ctl)
+        self.acker = common.Acker(ctl)
         self.cell_no = 0
 
     def close(self) -> None:

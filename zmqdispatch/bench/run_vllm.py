@@ -135,7 +135,7 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
             client_addresses={"input_address": inp, "output_address": outp},
         )
         ctl = common.Control(ctx, ctl_addr)
-        acker = common.Acker(ctx, ctl_addr)
+        acker = common.Acker(ctl_addr)
 
     def make_prompt(tokens: list[int]):
         # The renderer path AsyncLLM.generate's docstring recommends; a plain

@@ -167,7 +167,7 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
         async with connect(launch=launch, config=config) as client:
             if not args.real:
                 ctl = common.Control(ctx, ctl_addr)
-                acker = common.Acker(ctx, ctl_addr)
+                acker = common.Acker(ctl_addr)
             runner = Runner(client, ctl, acker)
             if args.real:
                 await runner.real({"sequences": 2, "max_tokens": 8, "prompt_len": 5, "round": -1})
