@@ -46,7 +46,7 @@ AREAS = [
     ("socket recv (_zmq_trio.py)", r"zmqdispatch[/.]_zmq_trio"),
     ("benchmark consumer loop + acks (bench/)", r"zmqdispatch[/.]bench[/.]"),
     ("trio scheduler, traps, outcome", r"(^|[/ ])(trio|outcome)[/.]"),
-    ("pyzmq (mostly the benchmark's acks)", r"(^|/)zmq/"),
+    ("pyzmq (recv_multipart)", r"(^|/)zmq/"),
 ]
 
 #: Hot-path functions whose inclusive share is reported: (label, qualified name, file regex).
@@ -61,7 +61,7 @@ HOT = [
     ("consumer side: RequestStream.__anext__", "RequestStream.__anext__", r"client\.py"),
     ("  RequestStream._receive", "RequestStream._receive", r"client\.py"),
     ("  _park (wait_task_rescheduled)", "_park", r"client\.py"),
-    ("benchmark consumer body (its own lines)", "Runner.throughput.<locals>.consume", r"bench/run_zmqdispatch\.py"),
+    ("consumer task (bench consume, inclusive)", "Runner.throughput.<locals>.consume", r"bench/run_zmqdispatch\.py"),
     ("benchmark acks (Acker.delivered)", "Acker.delivered", r"bench/_common\.py"),
     ("trio run loop (unrolled_run)", "unrolled_run", r"trio/_core/_run\.py"),
 ]
@@ -169,7 +169,8 @@ def main() -> int:
     r = result.get("result", {})
     summary["cell"] = cell
     summary["figures"] = {k: r.get(k) for k in ("request_ticks_per_s", "cpu_us_per_tick", "deliveries_per_tick",
-                                                "latency_ms", "cpu_util")}
+                                                "latency_ms", "cpu_util", "gc_share_of_cpu", "gc_collections",
+                                                "gc_max_pause_ms")}
     title = (f"zmqdispatch, C={args.concurrency}, "
              + (f"one step per {args.step_interval_ms:g} ms" if args.step_interval_ms else "saturation"))
     print(f"{title}: {json.dumps(summary['figures'])}")

@@ -47,6 +47,7 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
     on_disk = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert on_disk == json.loads(json.dumps(doc))
     assert doc["schema"] == harness.SCHEMA
+    assert doc["started_at"] <= doc["finished_at"] and doc["duration_s"] > 0
     assert {"cpu", "cpus", "python", "pyzmq", "libzmq"} <= set(doc["machine"])
     assert set(doc["runners"]) == {"raw", "zmqdispatch"}
     assert doc["real_engine"] is None
@@ -69,6 +70,7 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
                         "cpu_util", "wall_s"):
                 assert _is_number(m[key]), (cell["name"], client, key, m[key])
             assert m["ticks"] > 0 and m["tokens"] == m["ticks"]  # one token per tick
+            assert 0 <= m["gc_share_of_cpu"] and len(m["gc_collections"]) == 3
             assert 0 < m["deliveries_per_tick"] <= 1.0 + 1e-9
             lat = m["latency_ms"]
             assert lat["samples"] > 0 and all(_is_number(lat[p]) for p in ("p50", "p99", "p999"))

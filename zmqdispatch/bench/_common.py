@@ -15,6 +15,7 @@ Everything else a runner or its libraries print goes to stderr
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -258,12 +259,40 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+class GcTimer:
+    """Time spent in the cyclic garbage collector while installed (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.max_pause = 0.0
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            pause = time.perf_counter() - self._t0
+            self.seconds += pause
+            self.max_pause = max(self.max_pause, pause)
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 class Tally:
     """What the consumers of one throughput cell saw (single-threaded use)."""
 
-    __slots__ = ("measuring", "ticks", "tokens", "deliveries", "latency", "latency_slow", "started", "first_seen")
+    __slots__ = ("measuring", "ticks", "tokens", "deliveries", "latency", "latency_slow", "started", "first_seen",
+                 "gc")
 
     def __init__(self) -> None:
+        self.gc = GcTimer()  # enter it for the measurement window
         self.measuring = False
         self.ticks = 0
         self.tokens = 0
@@ -298,6 +327,9 @@ def throughput_result(
         "deliveries_per_tick": tally.deliveries / ticks if ticks else None,
         "cpu_us_per_tick": 1e6 * cpu / ticks if ticks else None,
         "cpu_util": cpu / wall if wall > 0 else 0.0,
+        "gc_share_of_cpu": tally.gc.seconds / cpu if cpu > 0 else None,
+        "gc_collections": tally.gc.collections,
+        "gc_max_pause_ms": tally.gc.max_pause * 1000.0,
         "latency_ms": percentiles(tally.latency),
         "engine": {
             "steps_per_s": engine.get("steps_per_s"),

@@ -321,6 +321,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the whole benchmark; return the results document (also written to disk)."""
     t_start = time.monotonic()
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     settings.output_dir.mkdir(parents=True, exist_ok=True)
     logs = settings.output_dir / "logs"
     skipped: dict[str, str] = {}
@@ -376,7 +377,8 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
 
     doc: dict[str, Any] = {
         "schema": SCHEMA,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started_at": started_at,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "duration_s": time.monotonic() - t_start,
         "machine": machine_info(),
         "runners": runner_info,

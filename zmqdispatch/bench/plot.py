@@ -51,9 +51,11 @@ def plot(doc: dict[str, Any], path: Path | str) -> Path:
         color, ls, marker = _STYLE.get(client, ("k", "-", "x"))
         right.plot([c for c, _ in points], [v for _, v in points], ls, color=color, marker=marker,
                    label=_LABEL.get(client, client))
-    right.set(xscale="log", xlabel="concurrent streams C (C=100: 5 ms/step, C=1000: 10 ms/step)",
-              ylabel="p99 added latency, ms", title="Paced engine: p99 latency (lower is better)")
-    right.set_ylim(bottom=0)
+        for c, v in points:
+            right.annotate(f"{v:.2f}" if v < 10 else f"{v:.0f}", (c, v), textcoords="offset points",
+                           xytext=(6, 2), fontsize=7, color=color)
+    right.set(xscale="log", yscale="log", xlabel="concurrent streams C (C=100: 5 ms/step, C=1000: 10 ms/step)",
+              ylabel="p99 added latency, ms", title="Paced engine: p99 added latency (lower is better)")
     right.grid(True, which="both", alpha=0.3)
     right.legend(fontsize=8)
     machine = doc.get("machine", {})

@@ -212,11 +212,12 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
                 await asyncio.sleep(0.02)
             await asyncio.sleep(cell["warmup_s"])
             await to_thread(ctl.request, "mark")
-            cpu0, t0 = time.process_time(), time.monotonic()
-            tally.measuring = True
-            await asyncio.sleep(cell["seconds"])
-            tally.measuring = False
-            cpu1, t1 = time.process_time(), time.monotonic()
+            with tally.gc:
+                cpu0, t0 = time.process_time(), time.monotonic()
+                tally.measuring = True
+                await asyncio.sleep(cell["seconds"])
+                tally.measuring = False
+                cpu1, t1 = time.process_time(), time.monotonic()
             stats = await to_thread(ctl.request, "stats")
             header, table = await to_thread(ctl.request, "table")
         finally:

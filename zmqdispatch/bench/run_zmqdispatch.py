@@ -87,11 +87,12 @@ class Runner:
                     await trio.sleep(0.02)
             await trio.sleep(cell["warmup_s"])
             await self._ctl("mark")
-            cpu0, t0 = time.process_time(), time.monotonic()
-            tally.measuring = True
-            await trio.sleep(cell["seconds"])
-            tally.measuring = False
-            cpu1, t1 = time.process_time(), time.monotonic()
+            with tally.gc:
+                cpu0, t0 = time.process_time(), time.monotonic()
+                tally.measuring = True
+                await trio.sleep(cell["seconds"])
+                tally.measuring = False
+                cpu1, t1 = time.process_time(), time.monotonic()
             stats = await self._ctl("stats")
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.ctl.wait_idle)
