@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import vllm as wire
 
 
@@ -28,3 +29,39 @@ def outputs_frames(outputs: Sequence[wire.EngineCoreOutput], **kw: object) -> li
     """Encode one EngineCoreOutputs message as the engine would."""
     kw.setdefault("timestamp", 1.0)
     return wire.encode_outputs(0, list(outputs), **kw)
+
+
+def make_ts_request(rid: str = "t1", prompt: Sequence[int] = (1, 2, 3), *, return_logprob: bool = False,
+                    stream: bool = True, **sp: object) -> ts.TokenizedGenerateReqInput:
+    """A valid TokenSpeed ADD (greedy unless told otherwise)."""
+    sp.setdefault("temperature", 0.0)
+    sp.setdefault("max_new_tokens", 16)
+    return ts.TokenizedGenerateReqInput(
+        rid=rid,
+        input_ids=tuple(prompt),
+        sampling_params=ts.TokenSpeedSamplingParams(**sp),
+        return_logprob=return_logprob,
+        stream=stream,
+    )
+
+
+def ts_batch_frames(rows: Sequence[tuple], *, engine_index: int = 0, load: tuple[int, int, int, int] = (0, 0, 0, 0)
+                    ) -> list[bytes]:
+    """One BatchTokenIDOutSlim as the engine sends it. ``rows``: ``(rid, tokens, reason,
+    prompt_tokens, completion_tokens[, logprob_vals])``."""
+    lp = [tuple(r[5]) if len(r) > 5 else () for r in rows]
+    return ts.encode_outputs(ts.TokenSpeedBatch(
+        engine_index=engine_index,
+        rids=tuple(r[0] for r in rows),
+        output_ids=tuple(tuple(r[1]) for r in rows),
+        finished_reasons=tuple(r[2] for r in rows),
+        prompt_tokens=tuple(r[3] for r in rows),
+        completion_tokens=tuple(r[4] for r in rows),
+        cached_tokens=tuple(0 for _ in rows),
+        logprob_vals=tuple(lp),
+        logprob_ids=tuple(tuple(r[1]) if v else () for r, v in zip(rows, lp)),
+        num_running=load[0],
+        num_waiting=load[1],
+        kv_active_pages=load[2],
+        kv_total_pages=load[3],
+    ))

@@ -1,7 +1,8 @@
 """The trio shell around :class:`~zmqdispatch.protocol.engine.EngineProtocol`.
 
 :func:`connect` is an async context manager whose nursery owns one engine's
-sockets (vLLM's topology: the client binds, the engine dials in)::
+sockets (vLLM's topology, which TokenSpeed's direct wire shares: the client
+binds, the engine dials in)::
 
     handshake ROUTER (bind) <- engine DEALER   HELLO / INIT / READY, then closed
     input     ROUTER (bind) <- engine DEALER   ready response, then ADD/ABORT/UTILITY
@@ -50,8 +51,8 @@ from .errors import (
     RequestStreamClosed,
     UtilityCallTimeout,
 )
-from .protocol.checks import check_request
 from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
+from .protocol.runtime import Runtime
 from .protocol.mailbox import Mailbox, OutputDelta
 from .wire import vllm as wire
 
@@ -285,10 +286,13 @@ class RequestStream:
 
 
 class EngineClient:
-    """A handshaken connection to one vLLM EngineCore. Create with :func:`connect`.
+    """A handshaken connection to one engine. Create with :func:`connect`.
 
     Attributes:
-        ready: the engine's ``EngineCoreReadyResponse`` (``max_model_len`` etc.).
+        ready: the engine's ``EngineCoreReadyResponse`` (``max_model_len`` etc.;
+            TokenSpeed's ``prefix_granularity`` is in ``block_size``).
+        runtime: the engine's :class:`~zmqdispatch.protocol.runtime.Runtime`
+            (vLLM EngineCore or TokenSpeed scheduler), from its ready response.
         engine_index: the engine's DP rank, from its 2-byte identity.
         config: the :class:`ClientConfig` in force.
     """
@@ -306,6 +310,7 @@ class EngineClient:
     ) -> None:
         self._protocol = protocol
         self.ready = ready
+        self.runtime = protocol.runtime
         self.engine_index = protocol.engine_index
         self.config = config
         self._input = input_sock
@@ -338,6 +343,14 @@ class EngineClient:
         return self.ready.max_model_len
 
     @property
+    def load(self) -> Any:
+        """TokenSpeed: the newest load snapshot piggybacked on its outputs
+        (``wire.tokenspeed.LoadSnapshot``: running, waiting, KV pages), ``None``
+        before the first one and always on vLLM. Stale while the engine is idle
+        (it sends nothing then)."""
+        return self._protocol.load
+
+    @property
     def is_alive(self) -> bool:
         """False once the engine is known dead or the client closed (latched)."""
         return self._protocol.state is LinkState.READY
@@ -367,26 +380,35 @@ class EngineClient:
         assert self._protocol.death is not None
         return self._protocol.death
 
-    def check_request(self, request: wire.EngineCoreRequest) -> None:
+    def check_request(self, request: Any) -> None:
         """Validate *request* for this engine without sending anything.
 
         Raises:
-            RequestRejected / ContextLengthError: see :func:`zmqdispatch.protocol.checks.check_request`.
+            RuntimeMismatchError: the request is for the other runtime.
+            RequestRejected / ContextLengthError: see
+                :func:`zmqdispatch.protocol.checks.check_request` (vLLM) and
+                :func:`~zmqdispatch.protocol.checks.check_tokenspeed_request`.
         """
-        check_request(
+        self.runtime.check_request(
             request,
             max_model_len=self.ready.max_model_len,
             vocab_size=self.config.vocab_size,
             max_logprobs=self.config.max_logprobs,
         )
 
-    def generate(self, request: wire.EngineCoreRequest) -> RequestStream:
+    def generate(self, request: Any) -> RequestStream:
         """Validate and submit *request*; return its stream (use ``async with``).
+
+        Args:
+            request: a ``wire.vllm.EngineCoreRequest`` for a vLLM engine, a
+                ``wire.tokenspeed.TokenizedGenerateReqInput`` for TokenSpeed
+                (see :attr:`runtime`; :mod:`zmqdispatch.translate` builds both).
 
         Synchronous: the ADD is queued at once; ``__aenter__`` waits until the
         socket accepted it.
 
         Raises:
+            RuntimeMismatchError: the request is for the other runtime.
             RequestRejected: the request fails validation (nothing is sent).
             DuplicateRequestIdError: the ``request_id`` is live.
             EngineDeadError: the engine is dead or the client closed.
@@ -396,7 +418,7 @@ class EngineClient:
         if p.inflight == 0:
             self._last_activity = trio.current_time()
         mailbox, add = p.submit(request)
-        return RequestStream(self, request.request_id, mailbox, add)
+        return RequestStream(self, mailbox.request_id, mailbox, add)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""
@@ -413,6 +435,7 @@ class EngineClient:
                 ``config.utility_timeout``) seconds.
             UtilityCallError: the engine reported a failure.
             EngineDeadError: the engine died.
+            UnsupportedByRuntimeError: a TokenSpeed engine (no utility calls).
         """
         timeout = self.config.utility_timeout if timeout is None else timeout
         p = self._protocol
@@ -739,8 +762,13 @@ async def connect(
     config: ClientConfig | None = None,
     launch_stdout: int | None = None,
     resume: EngineSession | None = None,
+    runtime: Runtime | str | None = None,
 ) -> AsyncIterator[EngineClient]:
-    """Bind the three sockets, handshake one vLLM EngineCore, and serve it.
+    """Bind the three sockets, handshake one engine, and serve it.
+
+    The engine is a vLLM EngineCore or a TokenSpeed scheduler in direct-ZMQ
+    mode (``ts serve --headless``); which one is read from its ready response
+    (:class:`~zmqdispatch.protocol.runtime.Runtime`).
 
     Args:
         handshake_address: where to bind the handshake ROUTER (``tcp://HOST:PORT``
@@ -761,6 +789,8 @@ async def connect(
             :class:`EngineSession`): bind its input/output addresses, skip the
             handshake, and wait (up to ``handshake_timeout``) until the engine
             has reconnected.
+        runtime: ``"vllm"`` / ``"tokenspeed"`` (or a :class:`Runtime`) to
+            require that engine; ``None`` accepts either.
 
     Yields:
         a ready :class:`EngineClient`.
@@ -768,7 +798,8 @@ async def connect(
     Raises:
         EngineHandshakeTimeout: no complete handshake within
             ``config.handshake_timeout`` (the spawned engine is killed).
-        EngineHandshakeError: a malformed handshake, or the spawned engine exited.
+        EngineHandshakeError: a malformed handshake, the spawned engine exited,
+            or the engine is not the required ``runtime``.
 
     Cancellation: cancelling the block cancels the handshake or the pumps,
     sends queued ABORTs best-effort, closes the sockets, removes the private
@@ -836,6 +867,7 @@ async def connect(
             identity=identity,
             max_pending_tokens=config.max_pending_tokens,
             max_decode_errors=config.max_decode_errors,
+            runtime=Runtime.resolve(runtime, ready),
         )
         if not config.death_on_disconnect and monitor is not None:
             inp.disable_monitor()

@@ -25,7 +25,9 @@ __all__ = [
     "RequestRejected",
     "ContextLengthError",
     "DuplicateRequestIdError",
+    "RuntimeMismatchError",
     "EngineRequestError",
+    "EngineAbortedRequest",
     "SlowConsumerError",
     "RequestStreamClosed",
     "EngineError",
@@ -36,6 +38,7 @@ __all__ = [
     "UtilityCallTimeout",
     "RemoteProtocolError",
     "LocalProtocolError",
+    "UnsupportedByRuntimeError",
 ]
 
 
@@ -104,8 +107,24 @@ class DuplicateRequestIdError(RequestRejected):
     """
 
 
+class RuntimeMismatchError(RequestRejected):
+    """A request built for one engine runtime was handed to a connection of the other.
+
+    A vLLM ``EngineCoreRequest`` cannot travel to a TokenSpeed scheduler, nor a
+    TokenSpeed ``TokenizedGenerateReqInput`` to a vLLM EngineCore: the payloads
+    differ and either engine drops (TokenSpeed) or dies on (vLLM) the other's bytes.
+
+    Attributes:
+        runtime: the connection's runtime (``"vllm"`` / ``"tokenspeed"``).
+    """
+
+    def __init__(self, message: str, *, request_id: str = "", runtime: str) -> None:
+        super().__init__(message, request_id=request_id, field="request")
+        self.runtime = runtime
+
+
 class EngineRequestError(RequestError):
-    """The engine finished this request with ``FinishReason.ERROR`` (3).
+    """The engine finished this request with an error (vLLM ``FinishReason.ERROR`` (3)).
 
     The engine keeps serving other requests. ``code`` / ``retryable`` come from
     vLLM 0.33's ``RequestError`` output field when present.
@@ -122,6 +141,26 @@ class EngineRequestError(RequestError):
         super().__init__(message, request_id=request_id)
         self.code = code
         self.retryable = retryable
+
+
+class EngineAbortedRequest(EngineRequestError):
+    """The engine ended the request with a terminal ``"abort"`` it was not asked for.
+
+    TokenSpeed answers an ADD it refuses at admission (a sampling value out of
+    range, logprobs on an engine started without ``--enable-output-logprobs``,
+    a grammar that does not compile, ...) with one terminal ``"abort"`` frame
+    carrying no tokens and no reason text; a client ABORT never produces a frame.
+    So an unrequested abort is an error of this request, never a normal
+    completion. ``code`` is ``"abort"``.
+
+    Attributes:
+        tokens_before_abort: tokens the engine generated before the abort
+            (0 for an admission refusal).
+    """
+
+    def __init__(self, message: str, *, request_id: str = "", tokens_before_abort: int) -> None:
+        super().__init__(message, request_id=request_id, code="abort", retryable=False)
+        self.tokens_before_abort = tokens_before_abort
 
 
 class SlowConsumerError(RequestError):
@@ -213,3 +252,18 @@ class RemoteProtocolError(ZmqDispatchError):
 
 class LocalProtocolError(ZmqDispatchError):
     """We (the caller of a sans-IO API) tried something the wire cannot express."""
+
+
+class UnsupportedByRuntimeError(ZmqDispatchError):
+    """The operation does not exist on this engine runtime's wire.
+
+    E.g. utility calls on a TokenSpeed scheduler, whose direct wire has only
+    ADD and ABORT.
+
+    Attributes:
+        runtime: the connection's runtime (``"vllm"`` / ``"tokenspeed"``).
+    """
+
+    def __init__(self, message: str, *, runtime: str) -> None:
+        super().__init__(message)
+        self.runtime = runtime

@@ -1,7 +1,8 @@
 """n > 1: sibling sub-requests, merged into one stream, cancelled together.
 
 :func:`generate_parallel` submits the ``n`` single-sample requests of one
-parent (see :func:`zmqdispatch.translate.vllm.translate_parallel`) and runs
+parent (see ``translate_parallel`` in :mod:`zmqdispatch.translate.vllm` and
+:mod:`zmqdispatch.translate.tokenspeed`; one code path for both runtimes) and runs
 each child stream as a sibling task in one nursery. Their deltas merge into
 the parent's :class:`ParallelStream` tagged with the child's index, in order
 within each child (no order across children).
@@ -28,13 +29,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 
 from .client import EngineClient, RequestStream, _unwrap
 from .errors import DuplicateRequestIdError, RequestRejected, RequestStreamClosed
 from .protocol.mailbox import OutputDelta
-from .wire import vllm as wire
 
 __all__ = ["ParallelStream", "generate_parallel"]
 
@@ -144,18 +145,20 @@ class ParallelStream:
 
 @asynccontextmanager
 async def generate_parallel(
-    client: EngineClient, requests: Sequence[wire.EngineCoreRequest]
+    client: EngineClient, requests: Sequence[Any]
 ) -> AsyncIterator[ParallelStream]:
     """Submit the samples of one parent and merge their streams.
 
     Args:
         client: a connected :class:`~zmqdispatch.EngineClient`.
-        requests: the ``n`` single-sample requests, in index order (from
-            :func:`~zmqdispatch.translate.vllm.translate_parallel`).
+        requests: the ``n`` single-sample requests, in index order, of the
+            client's runtime (from :func:`zmqdispatch.translate.vllm.translate_parallel`
+            or :func:`zmqdispatch.translate.tokenspeed.translate_parallel`).
 
     Raises:
         RequestRejected: ``requests`` is empty (n = 0), or one fails validation
             (nothing is sent for any of them).
+        RuntimeMismatchError: a request is for the other runtime.
         DuplicateRequestIdError: two children share an id, or one is live.
         EngineDeadError: the engine is dead.
 
@@ -164,7 +167,9 @@ async def generate_parallel(
     """
     if not requests:
         raise RequestRejected("n must be >= 1: no samples requested", field="sampling_params.n")
-    ids = [r.request_id for r in requests]
+    for r in requests:
+        client.runtime.check_type(r)
+    ids = [client.runtime.request_id(r) for r in requests]
     seen: set[str] = set()
     for rid in ids:
         if rid in seen or client.protocol.is_live(rid):

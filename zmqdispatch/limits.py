@@ -53,6 +53,16 @@ DEFAULT_MAX_LOGPROBS = 20
 #: protos carry token ids as uint32.
 MAX_TOKEN_ID = 2**32 - 1
 
+#: Seconds TokenSpeed keeps an ABORT for a request id it does not know (it
+#: arrived after the request finished) and applies it to the next request with
+#: that id, without any output (TokenSpeed 0.1.1 ``request_handler``,
+#: ``tokenspeed_wire.md`` 1.11). Such ids are refused for this long.
+TOKENSPEED_ABORT_PARK_SECONDS = 300.0
+
+#: Most such parked-abort ids remembered per TokenSpeed connection (oldest
+#: forgotten first). They only arise when an abort races a request's finish.
+MAX_PARKED_ABORT_IDS = 65_536
+
 # ---------------------------------------------------------------- connection defaults
 
 #: Seconds allowed for the whole HELLO / INIT / READY / ready-response exchange.

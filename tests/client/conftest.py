@@ -45,3 +45,34 @@ def mock_clock():
     import trio.testing
 
     return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+@asynccontextmanager
+async def tokenspeed_pair(
+    *, max_model_len: int = 1024, engine_kw: dict | None = None, **config: object
+) -> AsyncIterator[tuple[object, EngineClient]]:
+    """Yield ``(engine, client)``: the TokenSpeed mock engine running in-process
+    (its scheduler state in ``engine.core``) and a client connected to it."""
+    from zmqdispatch.mock.server import MockEngineConfig, start_mock_engine
+
+    d = tempfile.mkdtemp(prefix="zqt-")
+    addr = f"ipc://{d}/hs.sock"
+    kw = {"step_interval": 0.001, **(engine_kw or {})}
+    cfg = MockEngineConfig(handshake_address=addr, runtime="tokenspeed", max_model_len=max_model_len, **kw)
+    box: dict[str, object] = {}
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def engine_side() -> None:
+                box["engine"] = engine = await start_mock_engine(cfg, in_process=True)
+                try:
+                    await engine.run()
+                finally:
+                    engine.socks.close()
+
+            nursery.start_soon(engine_side)
+            async with connect(addr, config=ClientConfig(**config)) as client:
+                yield box["engine"], client
+            nursery.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -25,14 +25,18 @@ import trio
 
 from zmqdispatch import ClientConfig, EngineDeadError, connect
 
-from ..helpers import make_request
+from ..helpers import make_request as _make_request, make_ts_request
 from .engines import GUARD, external_mock, mock_argv
 
 N = 1_000
+
+
+def make_request(rid: str):
+    return _make_request(rid, max_tokens=3000)
 PROMISE = 1.0  # seconds from the kill to the last stream's failure
 
 
-async def kill_with_open_streams(client, kill) -> tuple[float, float, dict]:
+async def kill_with_open_streams(client, kill, make=make_request) -> tuple[float, float, dict]:
     """Open N streams, wait until each has a token, ``kill()``; return
     ``(death detected, last stream failed)`` in seconds after the kill and the
     per-stream outcomes."""
@@ -67,7 +71,7 @@ async def kill_with_open_streams(client, kill) -> tuple[float, float, dict]:
         await client.wait_dead()
         t_dead = trio.current_time()
 
-    streams = [client.generate(make_request(f"k{i}", max_tokens=3000)) for i in range(N)]
+    streams = [client.generate(make(f"k{i}")) for i in range(N)]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_death)
         for i, s in enumerate(streams):
@@ -115,6 +119,22 @@ async def test_sigkill_of_an_engine_started_elsewhere_fails_1000_streams_within_
                 assert {errors[0][1].reason for errors, _ in outcomes.values()} == {"disconnected"}
                 assert client.protocol.inflight == 0
     print(f"\nexternal engine SIGKILL, {N} streams: death detected after {detected * 1e3:.1f} ms, "
+          f"last stream failed after {last * 1e3:.1f} ms")
+    assert last < PROMISE
+
+
+async def test_sigkill_of_a_tokenspeed_engine_fails_1000_streams_within_1s(tmp_path):
+    hs = f"ipc://{tmp_path}/hs.sock"
+    with trio.fail_after(GUARD):
+        async with external_mock(hs, "--runtime", "tokenspeed", "--step-interval-ms", "100") as proc:
+            async with connect(hs, config=ClientConfig(handshake_timeout=20), runtime="tokenspeed") as client:
+                detected, last, outcomes = await kill_with_open_streams(
+                    client, lambda: os.kill(proc.pid, signal.SIGKILL),
+                    make=lambda rid: make_ts_request(rid, max_new_tokens=3000),
+                )
+                assert {errors[0][1].reason for errors, _ in outcomes.values()} == {"disconnected"}
+                assert client.protocol.inflight == 0
+    print(f"\nTokenSpeed engine SIGKILL, {N} streams: death detected after {detected * 1e3:.1f} ms, "
           f"last stream failed after {last * 1e3:.1f} ms")
     assert last < PROMISE
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import trio
 
 from zmqdispatch import ClientConfig, EngineDeadError, connect
 from zmqdispatch.wire import vllm as wire

@@ -11,7 +11,6 @@ import pytest
 
 from zmqdispatch.errors import ContextLengthError, RequestRejected
 from zmqdispatch.protocol.checks import check_request
-from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request
 

@@ -11,7 +11,9 @@ to it with JSON lines (bytes as hex). They are skipped unless both variables are
 - ``ZMQD_TOKENSPEED_PATH``: the directory holding the unzipped ``tokenspeed==0.1.1``
   wheel (``os.pathsep``-separated entries are prepended to ``PYTHONPATH``).
 
-Setup (all under /tmp, nothing touches the project venv)::
+Setup: ``eval "$(scripts/install_tokenspeed_reference.sh)"`` (what ``scripts/test
+--real-engine`` and CI do, with ``ZMQD_REQUIRE_TOKENSPEED_REFERENCE=1`` turning a
+missing setup into a failure), or by hand (nothing touches the project venv)::
 
     pip download --no-deps tokenspeed==0.1.1 -d /tmp/ts-dl
     mkdir -p /tmp/ts && unzip -oq /tmp/ts-dl/tokenspeed-0.1.1-py3-none-any.whl -d /tmp/ts
@@ -48,10 +50,18 @@ from .test_tokenspeed_roundtrip import batches, msgpack_values, requests, sampli
 ENV_PYTHON = "ZMQD_TOKENSPEED_PYTHON"
 ENV_PATH = "ZMQD_TOKENSPEED_PATH"
 
-pytestmark = pytest.mark.skipif(
-    not (os.environ.get(ENV_PYTHON) and os.environ.get(ENV_PATH)),
-    reason=f"TokenSpeed reference check needs {ENV_PYTHON} and {ENV_PATH} (setup in this module's docstring)",
+ENV_REQUIRE = "ZMQD_REQUIRE_TOKENSPEED_REFERENCE"
+_MISSING = not (os.environ.get(ENV_PYTHON) and os.environ.get(ENV_PATH))
+_WHY = (
+    f"TokenSpeed reference check needs {ENV_PYTHON} and {ENV_PATH} "
+    "(eval \"$(scripts/install_tokenspeed_reference.sh)\"; scripts/test --real-engine does it)"
 )
+if _MISSING and os.environ.get(ENV_REQUIRE) == "1":
+    raise RuntimeError(f"{ENV_REQUIRE}=1 but {_WHY}")
+
+#: Skip, with the reason, when TokenSpeed's wheel is absent (CI requires it).
+requires_tokenspeed = pytest.mark.skipif(_MISSING, reason=_WHY)
+pytestmark = requires_tokenspeed
 
 SETTINGS = settings(deadline=None, max_examples=60, database=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -10,6 +10,13 @@ Sequence (vLLM 0.32 ``EngineCoreProc``, ``vllm_wire.md`` section 5.1):
 3. It connects a DEALER (same identity) to the input address and a PUSH to the
    output address, sends the ``EngineCoreReadyResponse`` on the input DEALER,
    then ``READY`` on the handshake DEALER, and closes the handshake socket.
+
+TokenSpeed 0.1.1 (``tokenspeed=True``, ``tokenspeed_wire.md`` 1.4) runs the
+same exchange with its own maps (HELLO/READY always ``local=true,
+headless=true`` plus a nil ``parallel_config_hash``; the ready response names
+``block_size`` ``prefix_granularity``) and in another order: READY on the
+handshake socket first, then the ready response on the input DEALER, then the
+output PUSH connects.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import attrs
 import zmq
 
 from .._zmq_trio import TrioSocket, ZmqContext
+from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 
 __all__ = ["EngineSockets", "dial"]
@@ -53,6 +61,7 @@ async def dial(
     send_ready_response: bool = True,
     send_ready: bool = True,
     input_rcvhwm: int = 0,
+    tokenspeed: bool = False,
 ) -> EngineSockets:
     """Do the engine half of the handshake and return the data-plane sockets.
 
@@ -69,6 +78,17 @@ async def dial(
     out = ctx.socket(zmq.PUSH, name="engine-output", sndhwm=0)
     try:
         hs.connect(handshake_address)
+        if tokenspeed:
+            await hs.send([ts.encode_hello()])
+            # TokenSpeed takes the last frame of the INIT message as its payload.
+            init = wire.decode_init((await hs.recv_multipart())[-1])
+            if send_ready:
+                await hs.send([ts.encode_ready()])
+            inp.connect(init.inputs[0])
+            if send_ready_response:
+                await inp.send([ts.encode_ready_response(ready)])
+            out.connect(init.outputs[0])
+            return EngineSockets(inp, out, engine_index)
         await hs.send([wire.encode_hello(local=local, headless=headless)])
         (init_payload,) = await hs.recv_multipart()
         init = wire.decode_init(init_payload)

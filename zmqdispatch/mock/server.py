@@ -1,10 +1,16 @@
-"""The mock engine program: a wire-faithful vLLM EngineCore stand-in.
+"""The mock engine program: a wire-faithful vLLM EngineCore or TokenSpeed stand-in.
 
-Run as ``zmqdispatch mock-engine --handshake-address ADDR``. It dials in exactly
-as vLLM's EngineCore does (:mod:`.dial`), then runs two tasks, each owning one
-socket: an input reader (DEALER) and a stepper (PUSH) that emits one
-``EngineCoreOutputs`` per step covering every running request
-(:class:`.core.MockEngineCore`).
+Run as ``zmqdispatch mock-engine --handshake-address ADDR [--runtime tokenspeed]``.
+It dials in exactly as vLLM's EngineCore (or TokenSpeed's scheduler) does
+(:mod:`.dial`), then runs two tasks, each owning one socket: an input reader
+(DEALER) and a stepper (PUSH) that emits one ``EngineCoreOutputs`` (TokenSpeed:
+one ``BatchTokenIDOutSlim``) per step covering every running request
+(:class:`.core.MockEngineCore`, :class:`.tokenspeed_core.MockTokenSpeedScheduler`).
+
+TokenSpeed differs at the I/O level (``tokenspeed_wire.md`` 1.12): a message
+that does not decode, or an unknown type byte, is dropped and the reader goes
+on; a refused request gets one terminal ``"abort"`` batch; shutdown sends the
+``ENGINE_CORE_DEAD`` sentinel. The rest of this docstring describes vLLM's.
 
 Real-engine behaviours it reproduces at the I/O level:
 
@@ -42,11 +48,16 @@ import time
 import attrs
 import trio
 
+from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from .core import FatalEngineError, MockEngineCore
 from .dial import EngineSockets, dial
+from .tokenspeed_core import MockTokenSpeedScheduler
 
-__all__ = ["MockEngineConfig", "parse_fault", "run_mock_engine", "FAULT_KINDS"]
+__all__ = ["MockEngineConfig", "parse_fault", "run_mock_engine", "start_mock_engine", "FAULT_KINDS", "RUNTIMES"]
+
+#: ``--runtime`` values.
+RUNTIMES = ("vllm", "tokenspeed")
 
 FAULT_KINDS = ("sentinel", "exit", "garbage", "silent", "stop-reading", "no-ready")
 
@@ -78,6 +89,13 @@ class MockEngineConfig:
     tokens_per_step: int = 1
     faults: tuple[tuple[str, int], ...] = ()
     headless: bool = False
+    runtime: str = "vllm"
+    #: TokenSpeed: the model's EOS ids (TokenSpeed stops at EOS by itself).
+    eos_token_ids: tuple[int, ...] = ()
+    #: TokenSpeed: ``--stream-interval``.
+    stream_interval: int = 1
+    #: TokenSpeed: ``--enable-output-logprobs``.
+    enable_output_logprobs: bool = True
 
     def fault(self, kind: str) -> int | None:
         """The N of fault *kind* when it was requested, else ``None``."""
@@ -85,6 +103,20 @@ class MockEngineConfig:
             if k == kind:
                 return n
         return None
+
+
+class _Exited(Exception):
+    """An in-process mock engine "exited" (see :func:`start_mock_engine`)."""
+
+
+def _exit(engine: object, code: int, *, flush: bool = False) -> None:
+    """Exit the mock engine's process at once (no cleanup, like a crash), or, for an
+    in-process engine (tests), stop it with its sockets closed."""
+    if getattr(engine, "in_process", False):
+        raise _Exited(code)
+    if flush:
+        time.sleep(0.2)  # let libzmq flush the sentinel; nothing else may run now
+    os._exit(code)
 
 
 def _input_thread_would_die(req: wire.EngineCoreRequest) -> bool:
@@ -181,8 +213,7 @@ class _MockEngine:
                 await out.send([wire.ENGINE_CORE_DEAD])
                 print(f"mock engine {cfg.engine_index}: fatal: {self.fatal}", file=sys.stderr)
                 out.close(linger_ms=4000)
-                time.sleep(0.2)  # let libzmq flush the sentinel; nothing else may run now
-                os._exit(1)
+                _exit(self, 1, flush=True)
             while self.extra:
                 await out.send(self.extra.pop(0))
             if not self.core.running:
@@ -202,7 +233,7 @@ class _MockEngine:
                 self.fatal = "fault injection: sentinel"
                 continue
             if exit_at is not None and self.steps > exit_at:
-                os._exit(1)
+                _exit(self, 1)
             outputs = self.core.step()
             if silent_at is not None and self.steps > silent_at:
                 continue
@@ -210,6 +241,15 @@ class _MockEngine:
                 await out.send([b"\xc1garbage"])
                 continue
             await out.send(self._encode(outputs))
+
+    async def run(self) -> None:
+        """Serve until cancelled (reader and stepper), or until the engine exits."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.reader)
+                nursery.start_soon(self.stepper)
+        except* _Exited:
+            self.socks.close()
 
     async def shutdown(self) -> None:
         if self.socks.output.closed:
@@ -219,31 +259,160 @@ class _MockEngine:
             await self.socks.output.send(self._encode(outs, finished=tuple(o.request_id for o in outs)))
 
 
-async def run_mock_engine(cfg: MockEngineConfig) -> int:
-    """Dial *cfg.handshake_address*, serve until SIGTERM/SIGINT; return the exit code."""
-    ready = wire.EngineCoreReadyResponse(
+class _TokenSpeedMockEngine:
+    """The I/O half of the TokenSpeed mock (the state is :class:`MockTokenSpeedScheduler`)."""
+
+    def __init__(self, cfg: MockEngineConfig, socks: EngineSockets) -> None:
+        self.cfg = cfg
+        self.socks = socks
+        self.core = MockTokenSpeedScheduler(
+            engine_index=cfg.engine_index,
+            max_model_len=cfg.max_model_len,
+            vocab_size=cfg.vocab_size,
+            tokens_per_step=cfg.tokens_per_step,
+            eos_token_ids=cfg.eos_token_ids,
+            stream_interval=cfg.stream_interval,
+            enable_output_logprobs=cfg.enable_output_logprobs,
+        )
+        self.extra: list[ts.TokenSpeedBatch] = []  # admission aborts, sent by the stepper
+        self.wake = trio.Event()
+        self.fatal: str | None = None
+        self.steps = 0
+        #: input messages dropped as undecodable (TokenSpeed logs and goes on)
+        self.dropped = 0
+
+    async def reader(self) -> None:
+        adds = 0
+        stop_after = self.cfg.fault("stop-reading")
+        while True:
+            frames = await self.socks.input.recv_multipart()
+            try:
+                kind, body = ts.decode_input(frames)
+            except Exception as exc:  # the real receiver logs and drops the message
+                self.dropped += 1
+                print(f"mock tokenspeed {self.cfg.engine_index}: dropped input: {exc}", file=sys.stderr)
+                continue
+            if kind is ts.RequestType.ABORT:
+                self.core.abort(body)
+                continue
+            adds += 1
+            if any(t >= self.cfg.vocab_size for t in body.input_ids or ()):
+                # An id past the embedding table is a device-side fault: the engine crashes.
+                self.fatal = "token id out of range for the embedding table"
+                self.wake.set()
+                return
+            immediate = self.core.add(body)
+            if immediate is not None:
+                self.extra.append(immediate)
+            self.wake.set()
+            if stop_after is not None and adds >= stop_after:
+                await trio.sleep_forever()
+
+    async def stepper(self) -> None:
+        out = self.socks.output
+        cfg = self.cfg
+        sentinel_at = cfg.fault("sentinel")
+        exit_at = cfg.fault("exit")
+        garbage_at = cfg.fault("garbage")
+        silent_at = cfg.fault("silent")
+        next_step = trio.current_time()
+        while True:
+            if self.fatal is not None:
+                await out.send([ts.ENGINE_CORE_DEAD])
+                print(f"mock tokenspeed {cfg.engine_index}: fatal: {self.fatal}", file=sys.stderr)
+                out.close(linger_ms=4000)
+                _exit(self, 1, flush=True)
+            while self.extra:
+                await out.send(ts.encode_outputs(self.extra.pop(0)))
+            if not self.core.running:
+                self.wake = trio.Event()
+                await self.wake.wait()
+                next_step = trio.current_time()
+                continue
+            if cfg.step_interval > 0:
+                next_step = max(next_step + cfg.step_interval, trio.current_time() - cfg.step_interval)
+                await trio.sleep_until(next_step)
+            else:
+                await trio.sleep(0)
+            if self.fatal is not None or not self.core.running:
+                continue
+            self.steps += 1
+            if sentinel_at is not None and self.steps > sentinel_at:
+                self.fatal = "fault injection: sentinel"
+                continue
+            if exit_at is not None and self.steps > exit_at:
+                _exit(self, 1)
+            batch = self.core.step()
+            if batch is None or (silent_at is not None and self.steps > silent_at):
+                continue
+            if garbage_at is not None and self.steps > garbage_at:
+                await out.send([b"\xc1garbage"])
+                continue
+            await out.send(ts.encode_outputs(batch))
+
+    async def shutdown(self) -> None:
+        # TokenSpeed's event loop sends the sentinel (best effort) when it closes.
+        if not self.socks.output.closed:
+            self.socks.output.try_send([ts.ENGINE_CORE_DEAD])
+
+    async def run(self) -> None:
+        """Serve until cancelled (reader and stepper), or until the engine exits."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.reader)
+                nursery.start_soon(self.stepper)
+        except* _Exited:
+            self.socks.close()
+
+
+def _ready_response(cfg: MockEngineConfig) -> wire.EngineCoreReadyResponse:
+    tokenspeed = cfg.runtime == "tokenspeed"
+    return wire.EngineCoreReadyResponse(
         max_model_len=cfg.max_model_len,
         num_gpu_blocks=max(1, cfg.max_model_len // 16) * 64,
         block_size=16,
         dtype="float32",
-        vllm_version="0.32.0+zmqdispatch.mock",
+        vllm_version=f"tokenspeed-{ts.TOKENSPEED_VERSION}+zmqdispatch.mock" if tokenspeed
+        else "0.32.0+zmqdispatch.mock",
         data_parallel_rank=cfg.engine_index,
         max_num_seqs=1024,
         instance_id=f"zmqdispatch-mock-{cfg.engine_index}",
+        kv_cache_size_tokens=max(1, cfg.max_model_len // 16) * 64 * 16 if tokenspeed else None,
     )
+
+
+async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False) -> _MockEngine | _TokenSpeedMockEngine:
+    """Dial *cfg.handshake_address* and return the engine, ready to ``run()``.
+
+    ``in_process=True`` is for tests that run the mock inside their own trio run
+    (its state inspectable): an engine "exit" (fault or fatal error) then closes
+    its sockets and ends ``run()`` instead of ending the process. The program
+    entry point is :func:`run_mock_engine`.
+    """
+    if cfg.runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {cfg.runtime!r}; choose from {', '.join(RUNTIMES)}")
+    tokenspeed = cfg.runtime == "tokenspeed"
+    socks = await dial(
+        cfg.handshake_address,
+        _ready_response(cfg),
+        engine_index=cfg.engine_index,
+        local=not cfg.headless,
+        headless=cfg.headless,
+        send_ready=cfg.fault("no-ready") is None,
+        tokenspeed=tokenspeed,
+    )
+    engine = _TokenSpeedMockEngine(cfg, socks) if tokenspeed else _MockEngine(cfg, socks)
+    engine.in_process = in_process
+    return engine
+
+
+async def run_mock_engine(cfg: MockEngineConfig) -> int:
+    """Dial *cfg.handshake_address*, serve until SIGTERM/SIGINT; return the exit code."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        socks = await dial(
-            cfg.handshake_address,
-            ready,
-            engine_index=cfg.engine_index,
-            local=not cfg.headless,
-            headless=cfg.headless,
-            send_ready=cfg.fault("no-ready") is None,
-        )
-        engine = _MockEngine(cfg, socks)
+        engine = await start_mock_engine(cfg)
+        socks = engine.socks
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine.reader)
-            nursery.start_soon(engine.stepper)
+            nursery.start_soon(engine.run)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
                 break

@@ -1,4 +1,5 @@
-"""Validate an ``EngineCoreRequest`` before it is sent (sans-IO).
+"""Validate a request before it is sent (sans-IO): vLLM ``EngineCoreRequest`` and
+TokenSpeed ``TokenizedGenerateReqInput`` (:func:`check_tokenspeed_request`).
 
 Why: the real engine does not answer a bad request with an error. A live
 duplicate id or a prompt token id >= the vocabulary size makes the engine send
@@ -13,13 +14,15 @@ field and the limit.
 
 from __future__ import annotations
 
+import json
 import math
 
 from .. import limits
 from ..errors import ContextLengthError, RequestRejected
+from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 
-__all__ = ["check_request", "check_sampling_params"]
+__all__ = ["check_request", "check_sampling_params", "check_tokenspeed_request", "json_depth"]
 
 # vLLM's SamplingParams._verify_args bounds (vllm/sampling_params.py, 0.32.0).
 _PENALTY_RANGE = (-2.0, 2.0)
@@ -232,3 +235,131 @@ def check_request(
                 max_tokens=sp.max_tokens,
                 max_model_len=max_model_len,
             )
+
+
+# --------------------------------------------------------------------------- TokenSpeed
+
+#: TokenSpeed clamps ``max_new_tokens`` to ``max_req_len - len(prompt) - 1``, which
+#: goes negative for an over-long prompt (engine behaviour then undefined,
+#: ``tokenspeed_wire.md`` 1.9): the prompt must leave room for one token plus that
+#: reserve of one.
+TOKENSPEED_CONTEXT_RESERVE = 2
+
+_TS_SAMPLING_FIELDS = frozenset(
+    {
+        "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "min_new_tokens", "max_new_tokens", "logit_bias", "logprobs",
+    }
+)
+
+
+def _ts_field(reason: str) -> str:
+    """The field a TokenSpeed ``verify`` / admission message is about (its first word)."""
+    word = reason.split(" ", 1)[0].split("=", 1)[0]
+    if word in _TS_SAMPLING_FIELDS:
+        return f"sampling_params.{word}"
+    if word == "only":  # "only one of json_schema, regex and ebnf can be set"
+        return "sampling_params.json_schema"
+    if "logprob" in reason:
+        return "return_logprob"
+    if reason.startswith("session"):
+        return "session_params"
+    return "request"
+
+
+def check_tokenspeed_request(
+    request: ts.TokenizedGenerateReqInput,
+    *,
+    max_model_len: int | None,
+    vocab_size: int | None = None,
+) -> None:
+    """Check one TokenSpeed ``TokenizedGenerateReqInput`` before it is sent.
+
+    Why: TokenSpeed 0.1.1 drops an ADD that does not decode without a word (the
+    request would hang), and answers one its ingress refuses with a terminal
+    ``"abort"`` that carries no reason (``tokenspeed_wire.md`` 1.9, 1.12). So
+    every check of its ingress runs here first, on the values as the engine will
+    derive them (:func:`zmqdispatch.wire.tokenspeed.finalize_add`), and what the
+    engine does *not* check (prompt length, empty prompt, token ids beyond the
+    vocabulary) is checked too.
+
+    Args:
+        max_model_len: the ready response's ``max_model_len`` (TokenSpeed reports
+            the model's context length); ``None`` skips the context check.
+        vocab_size: when known, prompt, stop and ``logit_bias`` ids must be below it.
+
+    Raises:
+        RequestRejected: naming the field (``sampling_params.top_k``, ...).
+        ContextLengthError: the prompt leaves no room for a token
+            (``len(prompt) > max_model_len - 2``). A ``max_new_tokens`` beyond the
+            context is *not* refused: TokenSpeed clamps it to the context.
+    """
+    rid = request.rid
+    if type(rid) is not str or not rid:
+        raise _reject("", "request_id", f"must be a non-empty str, got {rid!r}")
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _reject("", "request_id", "must be valid UTF-8 text (no lone surrogates)") from None
+    prompt = request.input_ids
+    if prompt is None or len(prompt) == 0:
+        raise _reject(rid, "input_ids", "must be a non-empty list of token ids (the engine does not check)")
+    for i, t in enumerate(prompt):
+        if not _is_int(t) or t < 0 or t > limits.MAX_TOKEN_ID:
+            raise _reject(rid, "input_ids", f"element {i} must be a token id in [0, 2**32), got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise _reject(rid, "input_ids", f"element {i} is {t}, not below vocab_size={vocab_size}")
+    sp = request.sampling_params
+    if not isinstance(sp, ts.TokenSpeedSamplingParams):
+        raise _reject(rid, "sampling_params", f"must be TokenSpeedSamplingParams, got {type(sp).__name__}")
+    if sp.n != 1:
+        raise _reject(rid, "sampling_params.n",
+                      f"must be 1 on the wire, got {sp.n!r}: fan n > 1 out with zmqdispatch.fanout.generate_parallel")
+    if sp.stop or sp.stop_strs:
+        raise _reject(rid, "sampling_params.stop",
+                      "stop strings are matched on the client (translate with a tokenizer), not sent")
+    for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p),
+                    ("frequency_penalty", sp.frequency_penalty), ("presence_penalty", sp.presence_penalty),
+                    ("repetition_penalty", sp.repetition_penalty)):
+        if not _is_num(v):
+            raise _reject(rid, f"sampling_params.{name}", f"must be a finite number, got {v!r}")
+    if sp.seed is not None and not 0 <= sp.seed < 2**64:
+        raise _reject(rid, "sampling_params.seed", f"must be in [0, 2**64), got {sp.seed}")
+    if sp.stop_token_ids:
+        for t in sp.stop_token_ids:
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise _reject(rid, "sampling_params.stop_token_ids", f"token id {t} is not a vocabulary id")
+    if sp.logit_bias:
+        for key, bias in sp.logit_bias.items():
+            if not _is_num(bias):
+                raise _reject(rid, "sampling_params.logit_bias", f"bias for token {key} must be finite, got {bias!r}")
+    if sp.json_schema is not None:
+        _check_json_text(rid, "sampling_params.json_schema", sp.json_schema)
+    for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        if getattr(request, name) is not None:
+            raise _reject(rid, name, "PD disaggregation is not supported over the ZMQ transport")
+    reason = ts.admission_error(
+        ts.finalize_add(request),
+        vocab_size=vocab_size,
+        enable_output_logprobs=True,  # unknown here; a refusal comes back as EngineAbortedRequest
+    )
+    if reason is not None:
+        raise _reject(rid, _ts_field(reason), f"{reason} (TokenSpeed would abort the request without a reason)")
+    if max_model_len is not None and len(prompt) > max_model_len - TOKENSPEED_CONTEXT_RESERVE:
+        raise ContextLengthError(
+            f"input_ids: prompt of {len(prompt)} tokens leaves no room to generate in "
+            f"max_model_len={max_model_len} (TokenSpeed needs prompt <= max_model_len - {TOKENSPEED_CONTEXT_RESERVE})",
+            request_id=rid,
+            prompt_len=len(prompt),
+            max_tokens=None,
+            max_model_len=max_model_len,
+        )
+
+
+def _check_json_text(rid: str, field: str, text: str) -> None:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise _reject(rid, field, "is not valid JSON") from None
+    if json_depth(value) > limits.MAX_JSON_NESTING:
+        raise _reject(rid, field, f"nests deeper than {limits.MAX_JSON_NESTING} levels")

@@ -1,4 +1,4 @@
-"""Sans-IO state of one vLLM engine link: request table, outbox, aborts, death.
+"""Sans-IO state of one engine link: request table, outbox, aborts, death.
 
 :class:`EngineProtocol` never touches zmq or trio. The I/O shell
 (:mod:`zmqdispatch.client`) feeds it received frames and carries out what it
@@ -24,14 +24,24 @@ below are testable in microseconds without sockets:
   fails with one typed :class:`~zmqdispatch.errors.EngineDeadError`; new
   requests are refused with it; pending aborts are dropped (the engine is gone).
 
-Wire format: vLLM 0.32.0 / 0.33.0 EngineCore over ZMQ (``vllm_wire.md`` section 5).
+- **Runtime.** The link speaks one engine dialect (:class:`~.runtime.Runtime`):
+  vLLM 0.32.0 / 0.33.0 EngineCore (``vllm_wire.md`` section 5) or TokenSpeed
+  0.1.1's scheduler (``tokenspeed_wire.md`` section 1). A request of the other
+  dialect is refused (:class:`~zmqdispatch.errors.RuntimeMismatchError`).
+  TokenSpeed specifics absorbed here: an unrequested terminal ``"abort"`` fails
+  the stream with :class:`~zmqdispatch.errors.EngineAbortedRequest`; no utility
+  calls; an ABORT that reached the engine after the request finished is parked
+  there for 300 s and would silently kill a reuse of the id, so such ids are
+  refused for that long (:data:`zmqdispatch.limits.TOKENSPEED_ABORT_PARK_SECONDS`);
+  the latest piggybacked load snapshot is kept in :attr:`EngineProtocol.load`.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -40,17 +50,23 @@ import attrs
 from .. import limits
 from ..errors import (
     DuplicateRequestIdError,
+    EngineAbortedRequest,
     EngineDeadError,
-    LocalProtocolError,
+    EngineRequestError,
     RemoteProtocolError,
-    RequestRejected,
     RequestStreamClosed,
+    UnsupportedByRuntimeError,
     UtilityCallError,
 )
+from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from .mailbox import PUT_MORE, PUT_OVERFLOW, Mailbox
+from .runtime import Runtime
 
-__all__ = ["EngineProtocol", "Outgoing", "SendState", "PendingUtilityCall", "LinkState"]
+__all__ = ["EngineProtocol", "Outgoing", "SendState", "PendingUtilityCall", "LinkState", "Runtime"]
+
+#: TokenSpeed finish strings -> what the stream reports ("abort" and "error" fail it).
+_TS_FINISH = {"stop": wire.FinishReason.STOP, "length": wire.FinishReason.LENGTH}
 
 _ADD = bytes([wire.RequestType.ADD])
 _ABORT = bytes([wire.RequestType.ABORT])
@@ -128,6 +144,9 @@ class EngineProtocol:
         identity: the engine's ZMQ routing identity (2 bytes little-endian).
         max_pending_tokens: per-stream backlog bound (see :class:`Mailbox`).
         max_decode_errors: consecutive undecodable messages that mean death.
+        runtime: the engine dialect (:class:`Runtime`); requests must match it.
+        clock: monotonic seconds (TokenSpeed's parked-abort window); injectable
+            for tests.
     """
 
     def __init__(
@@ -137,7 +156,11 @@ class EngineProtocol:
         identity: bytes = b"\x00\x00",
         max_pending_tokens: int = limits.DEFAULT_MAX_PENDING_TOKENS,
         max_decode_errors: int = limits.DEFAULT_MAX_DECODE_ERRORS,
+        runtime: Runtime = Runtime.VLLM,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.runtime = runtime
+        self._clock = clock
         self.engine_index = engine_index
         self.identity = identity
         self.max_pending_tokens = max_pending_tokens
@@ -160,7 +183,13 @@ class EngineProtocol:
         self.messages_received = 0
         self.aborts_sent = 0
         self.bad_rows = 0
+        self.unknown_finish_reasons = 0
         self.last_decode_error: RemoteProtocolError | None = None
+        #: TokenSpeed: the newest load snapshot piggybacked on an output batch.
+        self.load: ts.LoadSnapshot | None = None
+        # TokenSpeed: request id -> monotonic time until which the engine holds a
+        # parked ABORT for it (oldest first; bounded by MAX_PARKED_ABORT_IDS).
+        self._parked: OrderedDict[str, float] = OrderedDict()
 
     def __repr__(self) -> str:
         return (
@@ -201,32 +230,41 @@ class EngineProtocol:
             d = self.death
             raise EngineDeadError(str(d), engine_index=d.engine_index, reason=d.reason)
 
-    def submit(self, request: wire.EngineCoreRequest, mailbox: Mailbox | None = None) -> tuple[Mailbox, Outgoing]:
+    def submit(self, request: Any, mailbox: Mailbox | None = None) -> tuple[Mailbox, Outgoing]:
         """Register *request* and queue its ADD.
 
-        The caller must have validated the request (:mod:`.checks`).
+        The caller must have validated the request (:mod:`.checks`, or
+        :meth:`Runtime.check_request`).
+
+        Args:
+            request: a ``wire.vllm.EngineCoreRequest`` on a vLLM link, a
+                ``wire.tokenspeed.TokenizedGenerateReqInput`` on a TokenSpeed link.
 
         Returns:
             the request's mailbox and its queued ADD message.
 
         Raises:
             EngineDeadError: the engine is dead.
-            DuplicateRequestIdError: the id is live on this link.
+            RuntimeMismatchError: the request is for the other runtime.
+            DuplicateRequestIdError: the id is live on this link (or, on
+                TokenSpeed, the engine holds a parked ABORT for it).
             RequestRejected: the request cannot be encoded (e.g. an int beyond 64 bits).
         """
         self.check_alive()
-        rid = request.request_id
+        runtime = self.runtime
+        runtime.check_type(request)
+        rid = runtime.request_id(request)
         if rid in self._requests:
             raise DuplicateRequestIdError(
                 f"request_id {rid!r} is already live on engine {self.engine_index}; "
-                "vLLM's scheduler would abort the whole engine on a duplicate",
+                + ("vLLM's scheduler would abort the whole engine on a duplicate" if runtime is Runtime.VLLM
+                   else "TokenSpeed does not check ids: both streams would mix"),
                 request_id=rid,
                 field="request_id",
             )
-        try:
-            frames = wire.encode_request(request)
-        except LocalProtocolError as exc:
-            raise RequestRejected(f"request cannot be encoded for the engine: {exc}", request_id=rid) from exc
+        if self._parked:
+            self._check_parked(rid)
+        frames = runtime.encode_add(request)
         out = Outgoing([self.identity, _ADD, *frames], rid)
         mb = mailbox if mailbox is not None else Mailbox(rid, self.max_pending_tokens)
         self._requests[rid] = _Entry(mb, out)
@@ -258,6 +296,31 @@ class EngineProtocol:
                 woke = True
         if woke:
             self._wake_sender()
+
+    def _check_parked(self, rid: str) -> None:
+        now = self._clock()
+        parked = self._parked
+        while parked:
+            oldest, until = next(iter(parked.items()))
+            if until > now:
+                break
+            del parked[oldest]
+        until = parked.get(rid)
+        if until is not None:
+            raise DuplicateRequestIdError(
+                f"request_id {rid!r} was aborted after the engine had finished it; TokenSpeed parks such an "
+                f"ABORT and applies it to the next request with this id, silently, for "
+                f"{limits.TOKENSPEED_ABORT_PARK_SECONDS:g} s ({until - now:.0f} s left): use a new id",
+                request_id=rid,
+                field="request_id",
+            )
+
+    def _note_parked(self, rid: str) -> None:
+        parked = self._parked
+        parked.pop(rid, None)
+        parked[rid] = self._clock() + limits.TOKENSPEED_ABORT_PARK_SECONDS
+        if len(parked) > limits.MAX_PARKED_ABORT_IDS:
+            parked.popitem(last=False)
 
     def abort_mailbox(self, mailbox: Mailbox) -> None:
         """Abort the request that owns *mailbox*, if it is still live.
@@ -318,7 +381,14 @@ class EngineProtocol:
 
         Raises:
             EngineDeadError: the engine is dead.
+            UnsupportedByRuntimeError: the runtime has no utility calls (TokenSpeed).
         """
+        if not self.runtime.supports_utility_calls:
+            raise UnsupportedByRuntimeError(
+                f"utility call {method!r}: the {self.runtime.engine_name}'s wire has no utility calls "
+                "(only ADD and ABORT)",
+                runtime=self.runtime.value,
+            )
         self.check_alive()
         call = PendingUtilityCall(next(self._call_ids), method)
         payload = wire.encode_utility_call(client_index, call.call_id, method, list(args))
@@ -352,7 +422,10 @@ class EngineProtocol:
             )
             return
         try:
-            msg = wire.decode_outputs(frames)
+            if self.runtime is Runtime.VLLM:
+                msg = wire.decode_outputs(frames)
+            else:
+                batch = ts.decode_outputs(frames)
         except RemoteProtocolError as exc:
             self.decode_errors += 1
             self.decode_error_streak += 1
@@ -373,7 +446,10 @@ class EngineProtocol:
                 self._fail_requests(list(self._requests), exc)
             return
         self.decode_error_streak = 0
-        self._route(msg, frames)
+        if self.runtime is Runtime.VLLM:
+            self._route(msg, frames)
+        else:
+            self._route_tokenspeed(batch)
 
     def _route(self, msg: wire.EngineCoreOutputs, frames: list[bytes]) -> None:
         requests = self._requests
@@ -431,6 +507,73 @@ class EngineProtocol:
                 else:
                     call.result = None if uo.result is None else uo.result.value
                 call._settle()
+
+    def _route_tokenspeed(self, batch: ts.TokenSpeedBatch) -> None:
+        """Route one TokenSpeed ``BatchTokenIDOutSlim`` (columns parallel to ``rids``)."""
+        if batch.kv_total_pages > 0:
+            self.load = batch.load
+        requests = self._requests
+        to_abort: list[str] | None = None
+        reasons = batch.finished_reasons
+        for i, rid in enumerate(batch.rids):
+            entry = requests.get(rid)
+            reason = reasons[i]
+            if entry is None:
+                self.unknown_outputs += 1
+                if reason:
+                    # The engine finished a request we no longer track: if we sent
+                    # it an ABORT, that ABORT arrives (or arrived) after the finish
+                    # and stays parked for the next request with this id.
+                    self._note_parked(rid)
+                continue
+            finish = None
+            if reason:
+                finish = _TS_FINISH.get(reason)
+                if finish is None and reason not in ("abort", "error"):
+                    self.unknown_finish_reasons += 1  # a newer engine's reason: a stop, as SMG reads it
+                    finish = wire.FinishReason.STOP
+            mb = entry.mailbox
+            prompt = batch.prompt_tokens[i]
+            cached = batch.cached_tokens[i]
+            try:
+                status = PUT_MORE if finish is None and not batch.output_ids[i] else mb.put_tokens(
+                    batch.output_ids[i],
+                    finish,
+                    batch.logprob_vals[i],
+                    batch.logprob_ids[i],
+                    prompt if prompt > 0 else None,
+                    cached if cached > 0 else None,
+                )
+            except RemoteProtocolError as exc:
+                mb.fail(exc)
+                del requests[rid]
+                (to_abort := to_abort or []).append(rid)
+                continue
+            if reason and finish is None:
+                done = batch.completion_tokens[i]
+                if reason == "abort":
+                    what = (
+                        "refused the request at admission (TokenSpeed sends no reason: a sampling value out of "
+                        "range, logprobs on an engine without --enable-output-logprobs, a grammar that does not "
+                        "compile, ...)"
+                        if done == 0
+                        else f"aborted the request after {done} tokens"
+                    )
+                    mb.fail(EngineAbortedRequest(f"request {rid!r}: the {self.runtime.engine_name} {what}",
+                                                 request_id=rid, tokens_before_abort=done))
+                else:
+                    mb.fail(EngineRequestError(
+                        f"request {rid!r}: engine finished the request with an error (see engine logs)",
+                        request_id=rid))
+                del requests[rid]
+            elif status != PUT_MORE:
+                del requests[rid]
+                if status == PUT_OVERFLOW:
+                    (to_abort := to_abort or []).append(rid)
+        if to_abort:
+            for rid in to_abort:
+                self._pending_aborts[rid] = None
+            self._wake_sender()
 
     def _fail_requests(self, request_ids: list[str], exc: RemoteProtocolError) -> None:
         """Fail these live requests with *exc* (after tokens they already have)

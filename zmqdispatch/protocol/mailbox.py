@@ -60,10 +60,11 @@ class OutputDelta:
             :class:`~zmqdispatch.errors.EngineRequestError`.
         stop_reason: the matched stop token id (int) or string, from the
             engine's ``EngineCoreOutput.stop_reason``; ``None`` for EOS,
-            length, abort.
+            length, abort, and always on TokenSpeed (whose ``"stop"`` ends on
+            the stopping token without naming it).
         logprobs: sample logprobs, one row per entry of ``token_ids`` (only when
             the request asked for logprobs); each row is ``K+1`` columns with
-            column 0 the sampled token.
+            column 0 the sampled token (TokenSpeed: one column, no ``ranks``).
         prompt_logprobs: prompt logprobs, one row per prompt position after the
             first (only when requested; may arrive over several deltas with
             chunked prefill).
@@ -71,7 +72,8 @@ class OutputDelta:
             ``prefill_stats`` (first output of a request), else ``None``.
         ticks: engine outputs merged into this delta (1 when the consumer keeps up).
         engine_timestamp: ``EngineCoreOutputs.timestamp`` of the newest merged
-            output: the engine's ``time.monotonic()``, comparable on one host.
+            output: the engine's ``time.monotonic()``, comparable on one host
+            (0.0 on TokenSpeed, whose batches carry no timestamp).
     """
 
     request_id: str
@@ -148,6 +150,24 @@ class Mailbox:
             return PUT_FINISHED
         tokens = row[_O_TOKENS]
         finish = row[_O_FINISH]
+        if finish is None and row[_O_LOGPROBS] is None and row[_O_PROMPT_LOGPROBS] is None and row[_O_PREFILL] is None:
+            # The hot path, a plain decode tick: new tokens only.
+            d = self.pending
+            if d is None:
+                self.pending = OutputDelta(self.request_id, list(tokens), None, None, None, None, None, None, 1,
+                                           timestamp)
+            else:
+                d.token_ids += tokens
+                d.ticks += 1
+                d.engine_timestamp = timestamp
+            self.pending_tokens += len(tokens)
+            if self.pending_tokens > self.max_pending_tokens:
+                return self._overflow()
+            w = self.waiter
+            if w is not None:
+                self.waiter = None
+                w()
+            return PUT_MORE
         if finish == _ERROR:
             self._put_engine_error(row)
             return PUT_FINISHED
@@ -184,19 +204,82 @@ class Mailbox:
             self._wake()
             return PUT_FINISHED
         if self.pending_tokens > self.max_pending_tokens:
-            self.fail(
-                SlowConsumerError(
-                    f"request {self.request_id!r}: consumer fell {self.pending_tokens} tokens behind"
-                    f" (limit max_pending_tokens={self.max_pending_tokens}); request aborted",
-                    request_id=self.request_id,
-                    pending_tokens=self.pending_tokens,
-                    limit=self.max_pending_tokens,
-                ),
-                drop_pending=True,
-            )
-            return PUT_OVERFLOW
+            return self._overflow()
         self._wake()
         return PUT_MORE
+
+    def put_tokens(
+        self,
+        tokens: tuple[int, ...],
+        finish: wire.FinishReason | None,
+        logprob_vals: tuple[float, ...],
+        logprob_ids: tuple[int, ...],
+        num_prompt_tokens: int | None,
+        num_cached_tokens: int | None,
+    ) -> int:
+        """Merge one TokenSpeed output (one column slice of ``BatchTokenIDOutSlim``).
+
+        Args:
+            tokens: this frame's new token ids.
+            finish: STOP / LENGTH on the terminal frame, else ``None`` (the
+                caller turns ``"abort"`` / ``"error"`` into :meth:`fail`).
+            logprob_vals / logprob_ids: the sampled tokens' logprobs, one per
+                token, or empty when the request did not ask; become one-column
+                ``logprobs`` rows (``ranks`` stay empty: TokenSpeed sends none).
+            num_prompt_tokens / num_cached_tokens: the engine's counts when > 0.
+
+        Returns:
+            ``PUT_MORE``, ``PUT_FINISHED`` or ``PUT_OVERFLOW``.
+
+        Raises:
+            RemoteProtocolError: logprob values that do not match the tokens.
+        """
+        if self.finished:
+            return PUT_FINISHED
+        if logprob_vals and len(logprob_vals) != len(tokens):
+            raise RemoteProtocolError(
+                f"request {self.request_id!r}: {len(logprob_vals)} logprobs for {len(tokens)} new tokens"
+            )
+        d = self.pending
+        if d is None:
+            if not tokens and finish is None:
+                return PUT_MORE  # nothing to deliver (the counts ride every later frame too)
+            d = self.pending = OutputDelta(self.request_id, list(tokens))
+        else:
+            d.token_ids += tokens
+            d.ticks += 1
+        self.pending_tokens += len(tokens)
+        if logprob_vals:
+            lists = wire.LogprobsLists(
+                token_ids=[[t] for t in logprob_ids], logprobs=[[v] for v in logprob_vals], ranks=[]
+            )
+            d.logprobs = _extend_lists(d.logprobs, lists)
+        if num_prompt_tokens is not None:
+            d.num_prompt_tokens = num_prompt_tokens
+        if num_cached_tokens is not None:
+            d.num_cached_tokens = num_cached_tokens
+        if finish is not None:
+            d.finish_reason = finish
+            self.finished = True
+            self._wake()
+            return PUT_FINISHED
+        if self.pending_tokens > self.max_pending_tokens:
+            return self._overflow()
+        self._wake()
+        return PUT_MORE
+
+    def _overflow(self) -> int:
+        self.fail(
+            SlowConsumerError(
+                f"request {self.request_id!r}: consumer fell {self.pending_tokens} tokens behind"
+                f" (limit max_pending_tokens={self.max_pending_tokens}); request aborted",
+                request_id=self.request_id,
+                pending_tokens=self.pending_tokens,
+                limit=self.max_pending_tokens,
+            ),
+            drop_pending=True,
+        )
+        return PUT_OVERFLOW
 
     def finish(self, reason: wire.FinishReason) -> None:
         """Terminate the stream with *reason* and no new tokens (engine-side

@@ -48,12 +48,11 @@ import zlib
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
-import msgpack
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
 from zmqdispatch.wire import vllm as _vllm
-from zmqdispatch.wire.tensors import Tensor, encode_tensor, ext_hook
+from zmqdispatch.wire.tensors import Tensor, encode_tensor
 from zmqdispatch.wire._fields import (
     ENGINE_CORE_DEAD,
     _unpack_output_message,
@@ -171,9 +170,6 @@ def parse_request_type(frame: bytes) -> RequestType:
     return RequestType(frame[0])
 
 
-#: The raw 16-byte frame TokenSpeed pushes (best effort, NOBLOCK) when its event loop
-#: closes on shutdown or crash. Identical to vLLM's.
-
 #: Element 0 of an ADD payload.
 REQUEST_TAG = "TokenizedGenerateReqInput"
 #: Element 0 of an output batch.
@@ -211,41 +207,16 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
 
-# =========================================================================== helpers
-
-
-
-
-
-
-
-
-
+# =========================================================================== field kinds
 
 # Field kinds: each checks one value (decoded, or handed to an encoder) and returns it
 # normalised, or raises _Bad. Same rules both ways, so whatever encodes also decodes.
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _k_array(v: Any) -> tuple:
     if type(v) not in (list, tuple):
         raise _Bad(f"expected an array, got {_tname(v)}")
     return tuple(v)
-
-
 
 
 def _k_str_map(v: Any) -> dict:
@@ -281,16 +252,10 @@ _opt_str = _k_opt(_k_str)
 _int_seq = _k_seq(_k_int)
 
 
-
-
-
-
 def _conv_id_set(v: Any) -> Any:
     if isinstance(v, (set, frozenset)):
         return tuple(v)  # set-iteration order, what TokenSpeed's encoder writes
     return _conv_tuple(v)
-
-
 
 
 def _conv_float_map(v: Any) -> Any:

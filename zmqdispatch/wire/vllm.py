@@ -34,11 +34,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 import cattrs
-import msgpack
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
-from zmqdispatch.wire.tensors import Tensor, decode_tensor, encode_tensor, ext_hook
+from zmqdispatch.wire.tensors import Tensor, decode_tensor, encode_tensor
 from ._fields import (
     ENGINE_CORE_DEAD,
     _unpack_output_message,

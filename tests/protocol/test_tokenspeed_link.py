@@ -1,0 +1,287 @@
+"""EngineProtocol on a TokenSpeed link: routing of column batches, the engine's quirks,
+runtime mismatches -- no sockets, no trio."""
+
+from __future__ import annotations
+
+import pytest
+
+from zmqdispatch import limits
+from zmqdispatch.errors import (
+    DuplicateRequestIdError,
+    EngineAbortedRequest,
+    EngineDeadError,
+    EngineHandshakeError,
+    EngineRequestError,
+    RemoteProtocolError,
+    RequestStreamClosed,
+    RuntimeMismatchError,
+    SlowConsumerError,
+    UnsupportedByRuntimeError,
+)
+from zmqdispatch.protocol.engine import EngineProtocol, SendState
+from zmqdispatch.protocol.runtime import Runtime
+from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import vllm as wire
+
+from ..helpers import make_request, make_ts_request, outputs_frames, out, ts_batch_frames
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def link(**kw: object) -> EngineProtocol:
+    kw.setdefault("runtime", Runtime.TOKENSPEED)
+    return EngineProtocol(**kw)
+
+
+def sent(p: EngineProtocol) -> list[list[bytes]]:
+    frames = []
+    while (o := p.pop_send()) is not None:
+        p.send_done(o)
+        frames.append(o.frames)
+    return frames
+
+
+def ready(version: str) -> wire.EngineCoreReadyResponse:
+    return wire.EngineCoreReadyResponse(max_model_len=64, num_gpu_blocks=1, block_size=16, vllm_version=version)
+
+
+# ------------------------------------------------------------------ runtime choice
+
+
+def test_runtime_is_read_from_the_ready_response():
+    assert Runtime.of_ready_response(ready("tokenspeed-0.1.1")) is Runtime.TOKENSPEED
+    assert Runtime.of_ready_response(ready("0.32.0")) is Runtime.VLLM
+    assert Runtime.resolve(None, ready("tokenspeed-0.1.1")) is Runtime.TOKENSPEED
+    assert Runtime.resolve("vllm", ready("0.33.0")) is Runtime.VLLM
+
+
+def test_a_required_runtime_that_did_not_dial_in_is_a_handshake_error():
+    with pytest.raises(EngineHandshakeError, match="expected a vLLM EngineCore.*TokenSpeed scheduler"):
+        Runtime.resolve("vllm", ready("tokenspeed-0.1.1"))
+    with pytest.raises(EngineHandshakeError, match="expected a TokenSpeed scheduler"):
+        Runtime.resolve(Runtime.TOKENSPEED, ready("0.32.0"))
+
+
+@pytest.mark.parametrize(
+    ("runtime", "request_"),
+    [(Runtime.TOKENSPEED, make_request("v1")), (Runtime.VLLM, make_ts_request("t1"))],
+)
+def test_a_request_built_for_the_other_runtime_is_refused(runtime, request_):
+    p = EngineProtocol(runtime=runtime)
+    with pytest.raises(RuntimeMismatchError, match="built for the") as ei:
+        p.submit(request_)
+    assert ei.value.runtime == runtime.value and ei.value.field == "request"
+    assert not p.wants_send and p.inflight == 0
+    with pytest.raises(RuntimeMismatchError):
+        runtime.check_request(request_, max_model_len=64)
+
+
+def test_utility_calls_do_not_exist_on_tokenspeed():
+    p = link()
+    with pytest.raises(UnsupportedByRuntimeError, match="no utility calls") as ei:
+        p.start_utility("get_supported_tasks")
+    assert ei.value.runtime == "tokenspeed" and not p.wants_send
+
+
+# ------------------------------------------------------------------ wire
+
+
+def test_add_and_abort_frames_are_tokenspeed_bytes():
+    p = link(identity=b"\x02\x00", engine_index=2)
+    p.submit(make_ts_request("t1"))
+    ((ident, kind, payload),) = sent(p)
+    assert (ident, kind) == (b"\x02\x00", b"\x00")
+    assert payload.startswith(b"\xdc\x00\x19\xb9TokenizedGenerateReqInput")
+    assert ts.decode_add([payload]).rid == "t1"
+    p.abort(["t1"])
+    ((_, kind, payload),) = sent(p)
+    assert kind == b"\x01" and ts.decode_abort(payload) == ("t1",)
+
+
+def test_batch_columns_route_to_their_streams():
+    p = link()
+    a, _ = p.submit(make_ts_request("a"))
+    b, _ = p.submit(make_ts_request("b", return_logprob=True))
+    sent(p)
+    p.frames_received(ts_batch_frames([("a", [5], "", 3, 1), ("b", [7, 8], "", 3, 2, [-0.5, -0.25])],
+                                      load=(2, 1, 3, 100)))
+    da = a.take()
+    db = b.take()
+    assert da.token_ids == [5] and da.finish_reason is None and da.num_prompt_tokens == 3
+    assert db.token_ids == [7, 8]
+    assert db.logprobs.logprobs == [[-0.5], [-0.25]] and db.logprobs.token_ids == [[7], [8]]
+    assert p.load == ts.LoadSnapshot(0, 2, 1, 3, 100)
+    p.frames_received(ts_batch_frames([("a", [6], "stop", 3, 2), ("b", [9], "length", 3, 3, [-1.0])]))
+    assert a.take().finish_reason is wire.FinishReason.STOP
+    assert b.take().finish_reason is wire.FinishReason.LENGTH
+    assert p.inflight == 0
+    assert p.load == ts.LoadSnapshot(0, 2, 1, 3, 100)  # a batch without a snapshot keeps the last one
+
+
+def test_ticks_merge_while_the_consumer_lags():
+    p = link()
+    mb, _ = p.submit(make_ts_request("a"))
+    sent(p)
+    for i in range(3):
+        p.frames_received(ts_batch_frames([("a", [10 + i], "", 3, i + 1)]))
+    d = mb.take()
+    assert d.token_ids == [10, 11, 12] and d.ticks == 3
+
+
+def test_unrequested_abort_without_tokens_is_an_admission_refusal():
+    p = link()
+    mb, _ = p.submit(make_ts_request("a"))
+    sent(p)
+    p.frames_received(ts_batch_frames([("a", [], "abort", 3, 0)]))
+    assert p.inflight == 0
+    with pytest.raises(EngineAbortedRequest, match="refused the request at admission") as ei:
+        mb.take()
+    assert ei.value.tokens_before_abort == 0 and ei.value.code == "abort"
+    assert not p.wants_send  # nothing to abort: the engine already dropped it
+
+
+def test_unrequested_abort_after_tokens_delivers_them_then_fails():
+    p = link()
+    mb, _ = p.submit(make_ts_request("a"))
+    sent(p)
+    p.frames_received(ts_batch_frames([("a", [4, 5], "", 3, 2)]))
+    p.frames_received(ts_batch_frames([("a", [6], "abort", 3, 3)]))
+    assert mb.take().token_ids == [4, 5, 6]
+    with pytest.raises(EngineAbortedRequest, match="after 3 tokens") as ei:
+        mb.take()
+    assert ei.value.tokens_before_abort == 3
+
+
+def test_error_finish_is_an_engine_request_error_and_unknown_reasons_stop():
+    p = link()
+    a, _ = p.submit(make_ts_request("a"))
+    b, _ = p.submit(make_ts_request("b"))
+    sent(p)
+    p.frames_received(ts_batch_frames([("a", [], "error", 3, 0), ("b", [9], "repetition", 3, 1)]))
+    with pytest.raises(EngineRequestError):
+        a.take()
+    assert b.take().finish_reason is wire.FinishReason.STOP
+    assert p.unknown_finish_reasons == 1 and p.inflight == 0
+
+
+def test_logprob_count_not_matching_tokens_fails_that_request_only():
+    p = link()
+    a, _ = p.submit(make_ts_request("a", return_logprob=True))
+    b, _ = p.submit(make_ts_request("b"))
+    sent(p)
+    frames = ts.encode_outputs(ts.TokenSpeedBatch(
+        rids=("a", "b"), output_ids=((1, 2), (3,)), finished_reasons=("", ""), prompt_tokens=(3, 3),
+        completion_tokens=(2, 1), cached_tokens=(0, 0), logprob_vals=((-0.1,), ()), logprob_ids=((1,), ()),
+    ))
+    p.frames_received(frames)
+    with pytest.raises(RemoteProtocolError, match="1 logprobs for 2 new tokens"):
+        a.take()
+    assert b.take().token_ids == [3]
+    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("a",)]
+
+
+def test_slow_consumer_is_failed_and_aborted():
+    p = link(max_pending_tokens=4)
+    mb, _ = p.submit(make_ts_request("a"))
+    sent(p)
+    for i in range(5):
+        p.frames_received(ts_batch_frames([("a", [i + 3], "", 3, i + 1)]))
+    with pytest.raises(SlowConsumerError):
+        mb.take()
+    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("a",)]
+
+
+def test_client_abort_retires_locally_since_tokenspeed_sends_no_terminal_frame():
+    p = link()
+    mb, add = p.submit(make_ts_request("a"))
+    sent(p)
+    p.abort(["a"])
+    assert p.inflight == 0
+    with pytest.raises(RequestStreamClosed):
+        mb.take()
+    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("a",)]
+    # a late frame of the old request is counted and dropped
+    p.frames_received(ts_batch_frames([("a", [5], "", 3, 1)]))
+    assert p.unknown_outputs == 1
+
+
+# ------------------------------------------------------------------ parked aborts
+
+
+def test_abort_that_raced_the_finish_blocks_reuse_of_the_id_for_300_s():
+    clock = Clock()
+    p = link(clock=clock)
+    p.submit(make_ts_request("a"))
+    sent(p)
+    p.abort(["a"])  # the engine had already finished "a": its terminal frame is in flight
+    sent(p)
+    p.frames_received(ts_batch_frames([("a", [5], "stop", 3, 1)]))
+    with pytest.raises(DuplicateRequestIdError, match="parks such an ABORT"):
+        p.submit(make_ts_request("a"))
+    clock.now += limits.TOKENSPEED_ABORT_PARK_SECONDS - 1
+    with pytest.raises(DuplicateRequestIdError):
+        p.submit(make_ts_request("a"))
+    clock.now += 1
+    p.submit(make_ts_request("a"))  # the engine's parked abort has expired
+    assert p.inflight == 1
+
+
+def test_an_abort_that_reached_a_running_request_parks_nothing():
+    clock = Clock()
+    p = link(clock=clock)
+    p.submit(make_ts_request("a"))
+    sent(p)
+    p.abort(["a"])
+    sent(p)
+    p.frames_received(ts_batch_frames([("a", [5], "", 3, 1)]))  # a tick still in flight, not terminal
+    p.submit(make_ts_request("a"))
+    assert p.inflight == 1
+
+
+def test_parked_ids_are_bounded(monkeypatch):
+    monkeypatch.setattr(limits, "MAX_PARKED_ABORT_IDS", 3)
+    p = link(clock=Clock())
+    for i in range(5):
+        p.frames_received(ts_batch_frames([(f"x{i}", [], "stop", 3, 0)]))
+    assert list(p._parked) == ["x2", "x3", "x4"]
+    p.submit(make_ts_request("x0"))  # forgotten (oldest first)
+    with pytest.raises(DuplicateRequestIdError):
+        p.submit(make_ts_request("x4"))
+
+
+# ------------------------------------------------------------------ death
+
+
+def test_sentinel_and_undecodable_streak_kill_a_tokenspeed_link():
+    p = link()
+    mb, _ = p.submit(make_ts_request("a"))
+    p.frames_received([ts.ENGINE_CORE_DEAD])
+    with pytest.raises(EngineDeadError) as ei:
+        mb.take()
+    assert ei.value.reason == "sentinel"
+
+    p = link(max_decode_errors=2)
+    mb, _ = p.submit(make_ts_request("a"))
+    sent(p)
+    # a vLLM output message is not a TokenSpeed batch
+    p.frames_received(outputs_frames([out("a", [1])]))
+    with pytest.raises(RemoteProtocolError, match="undecodable"):
+        mb.take()
+    assert p.decode_errors == 1
+    p.frames_received([b"\xc1"])
+    assert p.death is not None and p.death.reason == "decode_errors"
+    with pytest.raises(EngineDeadError):
+        p.submit(make_ts_request("b"))
+
+
+def test_a_queued_add_aborted_before_sending_never_reaches_the_engine():
+    p = link()
+    _, add = p.submit(make_ts_request("a"))
+    p.abort(["a"])
+    assert add.state is SendState.CANCELLED and sent(p) == []
