@@ -197,6 +197,24 @@ class TrioSocket:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return batch
 
+    def recv_nowait(self, limit: int = limits.RECV_BATCH_LIMIT) -> list[list[bytes]]:
+        """Up to *limit* messages already queued, without waiting (maybe none).
+
+        Not a checkpoint. The next :meth:`recv_batch` starts with a try, so
+        stopping here at EAGAIN or at the limit loses no wake-up.
+        """
+        with self._guard:
+            recv = self._sock.recv_multipart
+            batch: list[list[bytes]] = []
+            while len(batch) < limit:
+                try:
+                    batch.append(recv(_NOBLOCK))
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    raise _translate(exc, self.name) from exc
+            return batch
+
     async def recv_multipart(self) -> list[bytes]:
         """Receive one multipart message. Cancellation: atomic, as :meth:`recv_batch`."""
         (msg,) = await self.recv_batch(1)

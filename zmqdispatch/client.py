@@ -13,6 +13,8 @@ Task tree inside the nursery (one owner task per socket, trio_zmq.md section 8):
     output pump   owns PULL: recv_batch -> EngineProtocol.frames_received (sync routing)
     input pump    owns ROUTER: EngineProtocol.pop_send -> bounded send
     watchdog      silence while requests are in flight -> engine death
+    output watch  the PULL's monitor: the engine's output connection dropped ->
+                  fail what may have been lost on it (``_output_link_dropped``)
     process watch (engines we spawned) exit -> engine death
 
 Per-request streams are *not* tasks: :meth:`EngineClient.generate` returns a
@@ -114,12 +116,19 @@ class EngineSession:
     meanwhile are delivered and dropped as unknown ids). ``vllm_headless.md``
     section 6. Only sessions with explicitly configured
     ``input_address`` / ``output_address`` can be resumed.
+
+    ``orphan_ids`` are requests the engine may still be running for nobody
+    (their ADD reached it, their ABORT did not: e.g. a ``send_timeout`` death
+    of a frozen engine); a resumed client ABORTs them before sending anything
+    else. Take the session after the client died or closed; at most
+    ``limits.MAX_ORPHAN_IDS``.
     """
 
     identity: bytes
     ready: wire.EngineCoreReadyResponse
     input_address: str
     output_address: str
+    orphan_ids: tuple[str, ...] = ()
 
 
 async def _park(obj: Any, attr: str = "waiter") -> None:
@@ -161,11 +170,16 @@ class RequestStream:
         EngineDeadError: the engine died (every open stream gets one).
         EngineRequestError: the engine finished the request with an error.
         SlowConsumerError: the consumer fell behind ``max_pending_tokens``.
-        RemoteProtocolError: this request's output did not decode.
+        RemoteProtocolError: this request's output did not decode, or the
+            engine's output connection dropped (a frame above
+            ``limits.MAX_FRAME_BYTES``) and its outputs may be lost.
         RequestStreamClosed: iterating a stream that was aborted.
     """
 
-    __slots__ = ("_client", "request_id", "_mailbox", "_add", "_eof", "_closed", "_entered", "_receiving")
+    __slots__ = (
+        "_client", "request_id", "_mailbox", "_add", "_eof", "_closed", "_entered", "_receiving", "_task",
+        "_waker", "_aborter",
+    )
 
     def __init__(self, client: EngineClient, request_id: str, mailbox: Mailbox, add: Outgoing) -> None:
         self._client = client
@@ -176,6 +190,11 @@ class RequestStream:
         self._closed = False  # aborted / exited before the final delta
         self._entered = False
         self._receiving = False
+        # The parked consumer and its wake / abort hooks, bound once per stream
+        # (a park per delivery is the hot path: no closures per park).
+        self._task: Any = None
+        self._waker = self._wake
+        self._aborter = self._abort_park
 
     def __repr__(self) -> str:
         return f"<RequestStream {self.request_id!r} eof={self._eof} closed={self._closed} {self._mailbox!r}>"
@@ -259,9 +278,20 @@ class RequestStream:
         finally:
             self._receiving = False
 
+    def _wake(self) -> None:  # the mailbox's waiter: called once by the router task
+        task = self._task
+        self._task = None
+        trio.lowlevel.reschedule(task)
+
+    def _abort_park(self, _: Any) -> trio.lowlevel.Abort:
+        self._mailbox.waiter = None
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
     async def _receive(self) -> OutputDelta:
         mb = self._mailbox
         await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
         while True:
             if self._eof:
                 raise trio.EndOfChannel
@@ -271,18 +301,33 @@ class RequestStream:
             if delta is not None:
                 if delta.finish_reason is not None:
                     self._eof = True
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not parked:
+                    # Nothing waited yet: give the scheduler its turn. After a
+                    # park that turn was the park (one scheduler pass, not two).
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return delta
-            await _park(mb)
+            self._task = trio.lowlevel.current_task()
+            mb.waiter = self._waker
+            await trio.lowlevel.wait_task_rescheduled(self._aborter)
+            parked = True
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> OutputDelta:
+        # receive() without its frame: the per-delivery path
+        if not self._entered or self._receiving:
+            try:
+                return await self.receive()  # raises the misuse errors
+            except trio.EndOfChannel:
+                raise StopAsyncIteration from None
+        self._receiving = True
         try:
-            return await self.receive()
+            return await self._receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
+        finally:
+            self._receiving = False
 
 
 class EngineClient:
@@ -307,6 +352,7 @@ class EngineClient:
         output_sock: TrioSocket,
         process: trio.Process | None,
         monitor_sock: TrioSocket | None = None,
+        output_monitor_sock: TrioSocket | None = None,
     ) -> None:
         self._protocol = protocol
         self.ready = ready
@@ -325,6 +371,11 @@ class EngineClient:
         self._closing = False
         self._dead = trio.Event()
         protocol.on_death = lambda exc: self._dead.set()
+        # the engine's output connection dropped (set by _output_monitor_watch)
+        self._output_monitor = output_monitor_sock
+        self._output_dropped = ""  # endpoint of the dropped connection, "" = none
+        self._pump_wait: trio.CancelScope | None = None  # the output pump's wait
+        self.stray_output_connections = 0  # closed before their ZMTP handshake
 
     def __repr__(self) -> str:
         p = self._protocol
@@ -367,6 +418,7 @@ class EngineClient:
             ready=self.ready,
             input_address=self._bound_input,
             output_address=self._bound_output,
+            orphan_ids=tuple(self._protocol.possibly_live_ids()),
         )
 
     @property
@@ -413,12 +465,16 @@ class EngineClient:
             DuplicateRequestIdError: the ``request_id`` is live.
             EngineDeadError: the engine is dead or the client closed.
         """
+        mailbox, add = self._submit(request)
+        return RequestStream(self, mailbox.request_id, mailbox, add)
+
+    def _submit(self, request: Any) -> tuple[Mailbox, Outgoing]:
+        """Validate and queue *request*; its mailbox and ADD (see :meth:`generate`)."""
         self.check_request(request)
         p = self._protocol
         if p.inflight == 0:
             self._last_activity = trio.current_time()
-        mailbox, add = p.submit(request)
-        return RequestStream(self, mailbox.request_id, mailbox, add)
+        return p.submit(request)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""
@@ -436,6 +492,8 @@ class EngineClient:
             UtilityCallError: the engine reported a failure.
             EngineDeadError: the engine died.
             UnsupportedByRuntimeError: a TokenSpeed engine (no utility calls).
+            RemoteProtocolError: the engine's output connection dropped (the
+                reply may be lost).
         """
         timeout = self.config.utility_timeout if timeout is None else timeout
         p = self._protocol
@@ -473,7 +531,15 @@ class EngineClient:
         p = self._protocol
         try:
             while p.state is LinkState.READY:
-                batch = await sock.recv_batch()
+                if self._output_dropped:
+                    await self._output_link_dropped()
+                    continue
+                batch = None
+                with trio.CancelScope() as self._pump_wait:  # cancelled on a drop
+                    batch = await sock.recv_batch()  # atomic: a cancel loses nothing
+                self._pump_wait = None
+                if batch is None:
+                    continue
                 self._last_activity = trio.current_time()
                 for frames in batch:
                     p.frames_received(frames)
@@ -490,6 +556,21 @@ class EngineClient:
                 await _park_sender(p)
                 continue
             try:
+                # Drain what the socket takes at once (one scheduler pass per
+                # burst, not per message: under heavy output an ADD per pass
+                # starved admission), then the awaited send for the rest.
+                burst = limits.SEND_BURST_LIMIT
+                while sock.try_send(out.frames):
+                    p.send_done(out)
+                    burst -= 1
+                    out = p.pop_send()
+                    if out is None or not burst:
+                        break
+                if out is None:
+                    await trio.lowlevel.checkpoint()
+                    continue
+                # The socket is full, or the burst is over: the awaited send
+                # yields (and waits for room, bounded by send_timeout).
                 await sock.send(out.frames, timeout=timeout)
             except PeerUnreachable:
                 self._died("unreachable", f"engine {self.engine_index} is not connected to the input socket (EHOSTUNREACH)")
@@ -536,6 +617,56 @@ class EngineClient:
                     return
         except trio.ClosedResourceError:
             return
+
+    async def _output_monitor_watch(self) -> None:
+        """Watch the output PULL's connections (zmq monitor). A connection that
+        closes after its ZMTP handshake is an engine output link lost: libzmq
+        closes it itself when a frame exceeds ``MAXMSGSIZE``, and the outputs
+        still on it are gone. One that failed its handshake first (libzmq
+        emits ``HANDSHAKE_FAILED_*`` right before its ``DISCONNECTED``: a
+        probe, a port scan) is counted and ignored."""
+        assert self._output_monitor is not None
+        sock = self._output_monitor
+        stray = False
+        try:
+            while self._protocol.state is LinkState.READY:
+                event, _, endpoint = parse_monitor_event(await sock.recv_multipart())
+                if event & _HANDSHAKE_FAILED:
+                    stray = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    if stray:
+                        self.stray_output_connections += 1
+                    elif not self._closing:
+                        self._output_dropped = endpoint or "?"
+                        if self._pump_wait is not None:
+                            self._pump_wait.cancel()
+                    stray = False
+        except trio.ClosedResourceError:
+            return
+
+    async def _output_link_dropped(self) -> None:
+        """The engine's output connection dropped. Route what arrived before
+        the drop (final outputs, a sentinel), then stop reading for
+        ``limits.OUTPUT_DROP_GRACE`` seconds: a dying engine's other signals
+        (input disconnect, process exit) make it a death as usual. Otherwise
+        the engine lives on (its PUSH reconnects) and everything whose outputs
+        may have been on the lost connection fails with ``RemoteProtocolError``
+        and is aborted (``EngineProtocol.output_lost``)."""
+        endpoint, self._output_dropped = self._output_dropped, ""
+        p = self._protocol
+        while p.state is LinkState.READY and (batch := self._output.recv_nowait()):
+            self._last_activity = trio.current_time()
+            for frames in batch:
+                p.frames_received(frames)
+            await trio.lowlevel.checkpoint()
+        if p.inflight or p.pending_utility_calls:
+            with trio.move_on_after(limits.OUTPUT_DROP_GRACE):
+                await self._dead.wait()
+        p.output_lost(
+            f"engine {self.engine_index}'s output connection ({endpoint}) was dropped, by libzmq for a frame above "
+            f"MAX_FRAME_BYTES ({limits.MAX_FRAME_BYTES} bytes, ZMQ_MAXMSGSIZE) or by a broken link: outputs on it "
+            "may be lost"
+        )
 
     async def _process_watch(self) -> None:
         assert self._process is not None
@@ -723,6 +854,11 @@ async def _handshake(
     return result["identity"], result["ready"]
 
 
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
 def _engine_gone(peer_fds: set[int], event: int, value: int) -> bool:
     """Track the input socket's connections; True when the last one closed.
 
@@ -822,7 +958,10 @@ async def connect(
     client: EngineClient | None = None
     monitor: TrioSocket | None = None
     peer_fds: set[int] = set()
+    out_monitor: TrioSocket | None = None
     try:
+        # Created before bind: the output watch sees the engine's output connection drop.
+        out_monitor = out.monitor(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED, name="output-monitor")
         if config.death_on_disconnect or resume is not None:
             # Created before bind so no event is missed: the watch task counts
             # the input socket's connections (ACCEPTED / DISCONNECTED).
@@ -869,6 +1008,8 @@ async def connect(
             max_decode_errors=config.max_decode_errors,
             runtime=Runtime.resolve(runtime, ready),
         )
+        if resume is not None:
+            protocol.abort_stale(resume.orphan_ids)  # before any ADD of ours
         if not config.death_on_disconnect and monitor is not None:
             inp.disable_monitor()
             monitor.close()
@@ -881,6 +1022,7 @@ async def connect(
             output_sock=out,
             process=process,
             monitor_sock=monitor,
+            output_monitor_sock=out_monitor,
         )
         client._bound_input, client._bound_output = input_address, output_address
         client._peer_fds = peer_fds
@@ -893,6 +1035,7 @@ async def connect(
                     nursery.start_soon(client._process_watch)
                 if monitor is not None:
                     nursery.start_soon(client._monitor_watch)
+                nursery.start_soon(client._output_monitor_watch)
                 try:
                     yield client
                 finally:
@@ -912,6 +1055,9 @@ async def connect(
         if monitor is not None:
             inp.disable_monitor()
             monitor.close()
+        if out_monitor is not None:
+            out.disable_monitor()
+            out_monitor.close()
         hs.close()
         out.close()
         # Give queued ABORTs a moment to leave in the background.

@@ -11,7 +11,10 @@ Errors are split by blame, the way h11 and httpcore split them:
   that connection are refused with the same type.
 - :class:`RemoteProtocolError` -- the engine sent bytes that do not decode as
   its wire (vLLM ``EngineCoreOutputs``). Raised by the sans-IO decoders; the
-  connection counts them and declares the engine dead after a streak.
+  connection counts them and declares the engine dead after a streak. Streams
+  and utility calls also get it when the engine's output connection dropped
+  (libzmq closes it for a frame above ``limits.MAX_FRAME_BYTES``): their
+  outputs may be lost.
 
 Raw ``zmq.ZMQError``, ``trio`` resource errors and ``msgpack`` exceptions never
 escape the public API: they are translated at one boundary.

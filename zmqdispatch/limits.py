@@ -13,7 +13,10 @@ from __future__ import annotations
 #: Largest output frame (msgpack body or aux buffer) we accept, in bytes. pyzmq
 #: has already allocated the frame when we see it, so this is enforced with the
 #: socket option ``MAXMSGSIZE`` on the output PULL (libzmq drops the peer
-#: connection for a bigger message) and re-checked by the decoder. A real
+#: connection for a bigger message: the client sees the drop on the socket's
+#: monitor and fails, with ``RemoteProtocolError`` naming this limit, every
+#: request and utility call whose output may have been on it; see
+#: ``OUTPUT_DROP_GRACE``) and re-checked by the decoder. A real
 #: engine's step message is a few KiB per request; prompt logprobs of a long
 #: prompt with k=20 are ~ 8 * P * 21 bytes, so 256 MiB leaves ample room.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
@@ -103,6 +106,29 @@ DEFAULT_UTILITY_TIMEOUT = 30.0
 #: tasks (trio_zmq.md section 2.1, case 5: an unbounded drain starves everyone).
 RECV_BATCH_LIMIT = 256
 
+#: Input messages handed to the socket in one go before the input pump yields
+#: (one scheduler pass per message starved admission under heavy output; an
+#: unbounded burst would starve everyone else instead).
+SEND_BURST_LIMIT = 256
+
 #: Seconds we wait for a spawned engine to exit after SIGTERM before SIGKILL.
 #: vLLM's EngineCore takes 4-5 s to shut its worker down gracefully.
 DEFAULT_TERMINATE_GRACE = 8.0
+
+#: Most request ids an :class:`~zmqdispatch.client.EngineSession` carries as
+#: possibly still running on the engine (``orphan_ids``): requests whose ADD had
+#: reached the socket, and ABORTs not yet sent, when the link died (a
+#: ``send_timeout`` death leaves a frozen engine with every ADD it had received).
+#: ``connect(resume=session)`` ABORTs them before anything else, in one frame.
+#: Beyond the bound the most recent ids are kept (the older ones have had the
+#: most time to finish); the rest run to their ``max_tokens`` on the engine.
+#: 65,536 ids of ~40 bytes make a ~2.6 MB ABORT frame.
+MAX_ORPHAN_IDS = 65_536
+
+#: Seconds the output pump waits after the engine's output connection dropped
+#: (libzmq closes it itself for a frame above ``MAX_FRAME_BYTES``; a dying engine
+#: closes it too) for a death signal (input disconnect, process exit) before it
+#: fails the requests whose outputs may be lost with ``RemoteProtocolError``.
+#: A dying engine's other signals arrive within milliseconds; the grace keeps
+#: its streams failing with ``EngineDeadError`` as for any other death.
+OUTPUT_DROP_GRACE = 0.25

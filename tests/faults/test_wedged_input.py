@@ -141,10 +141,6 @@ async def test_an_engine_whose_input_thread_stops_dies_of_silence_and_a_restarte
                 assert await client.call_utility("zmqd_live_requests") == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: when the engine is declared dead (send_timeout) the pending ABORTs are dropped and the "
-    "ids whose ADDs reached the engine are forgotten, so a client re-attached with resume= cannot abort "
-    "them (EngineClient.abort ignores ids it does not know): they run to max_tokens on the engine"))
 async def test_requests_orphaned_by_a_send_timeout_are_aborted_once_the_engine_is_back(tmp_path):
     hs, cfg = fixed_addresses(tmp_path, handshake_timeout=20, send_timeout=0.3, send_hwm=8, silence_timeout=60)
     with trio.fail_after(GUARD):

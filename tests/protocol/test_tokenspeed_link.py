@@ -285,3 +285,14 @@ def test_a_queued_add_aborted_before_sending_never_reaches_the_engine():
     _, add = p.submit(make_ts_request("a"))
     p.abort(["a"])
     assert add.state is SendState.CANCELLED and sent(p) == []
+
+
+def test_orphans_aborted_on_a_resumed_tokenspeed_link_are_refused_for_the_park_window():
+    clock = Clock()
+    p = link(clock=clock)
+    p.abort_stale(["old-1"])
+    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("old-1",)]
+    with pytest.raises(DuplicateRequestIdError, match="parks such an ABORT"):
+        p.submit(make_ts_request("old-1"))
+    clock.now += limits.TOKENSPEED_ABORT_PARK_SECONDS
+    p.submit(make_ts_request("old-1"))

@@ -22,7 +22,8 @@ below are testable in microseconds without sockets:
   of undecodable messages, or a fact the shell observed (process exit,
   EHOSTUNREACH, send timeout, silence). Every open stream and utility call
   fails with one typed :class:`~zmqdispatch.errors.EngineDeadError`; new
-  requests are refused with it; pending aborts are dropped (the engine is gone).
+  requests are refused with it; pending aborts are dropped (the engine is gone),
+  their ids kept in :meth:`possibly_live_ids` for a resumed link to ABORT.
 
 - **Runtime.** The link speaks one engine dialect (:class:`~.runtime.Runtime`):
   vLLM 0.32.0 / 0.33.0 EngineCore (``vllm_wire.md`` section 5) or TokenSpeed
@@ -190,6 +191,10 @@ class EngineProtocol:
         # TokenSpeed: request id -> monotonic time until which the engine holds a
         # parked ABORT for it (oldest first; bounded by MAX_PARKED_ABORT_IDS).
         self._parked: OrderedDict[str, float] = OrderedDict()
+        # Ids the engine may still run once this link is gone (EngineSession.orphan_ids).
+        self.output_drops = 0  # output connections lost (output_lost)
+        self._abort_in_flight: tuple[Outgoing, list[str]] | None = None  # popped ABORT, not yet accepted
+        self._orphans: list[str] = []  # snapshot of possibly_live_ids() at death
 
     def __repr__(self) -> str:
         return (
@@ -357,7 +362,9 @@ class EngineProtocol:
             ids = list(self._pending_aborts)
             self._pending_aborts.clear()
             self.aborts_sent += len(ids)
-            return Outgoing([self.identity, _ABORT, wire.encode_abort(ids)], state=SendState.SENDING)
+            abort = Outgoing([self.identity, _ABORT, wire.encode_abort(ids)], state=SendState.SENDING)
+            self._abort_in_flight = (abort, ids)
+            return abort
         while self._outbox:
             out = self._outbox.popleft()
             if out.state is SendState.QUEUED:
@@ -367,12 +374,78 @@ class EngineProtocol:
 
     def send_done(self, out: Outgoing) -> None:
         """The socket accepted *out*."""
+        if self._abort_in_flight is not None and self._abort_in_flight[0] is out:
+            self._abort_in_flight = None
         out._settle(SendState.SENT)
 
     @property
     def pending_abort_ids(self) -> list[str]:
         """Ids waiting to be sent in the next ABORT frame."""
         return list(self._pending_aborts)
+
+    def possibly_live_ids(self) -> list[str]:
+        """Ids the engine may still be running although nobody will read them
+        once this link is gone: requests whose ADD reached the socket and that
+        got no final output, plus ids whose ABORT was not accepted by the
+        socket yet. After death: the snapshot taken when the link died (its
+        pending ABORTs were dropped). At most ``limits.MAX_ORPHAN_IDS``, the
+        most recent kept. :class:`~zmqdispatch.client.EngineSession` carries
+        them, and a resumed link ABORTs them first (:meth:`abort_stale`)."""
+        if self.state is LinkState.DEAD:
+            return list(self._orphans)
+        ids: dict[str, None] = dict.fromkeys(self._abort_in_flight[1] if self._abort_in_flight else ())
+        ids.update(self._pending_aborts)
+        for rid, entry in self._requests.items():
+            if entry.add.state is SendState.SENT or entry.add.state is SendState.SENDING:
+                ids[rid] = None
+        return list(ids)[-limits.MAX_ORPHAN_IDS:]
+
+    def abort_stale(self, request_ids: Iterable[str]) -> None:
+        """Queue an ABORT for ids a previous link left possibly running on this
+        engine (a resumed session's ``orphan_ids``). Like every pending ABORT it
+        goes out before any ADD or utility call queued later, so a new request
+        reusing one of the ids is not killed by it (on TokenSpeed, which parks an
+        ABORT for an id it no longer runs, such ids are refused for
+        ``TOKENSPEED_ABORT_PARK_SECONDS`` instead). Ids live on this link are
+        skipped. At most ``limits.MAX_ORPHAN_IDS`` (the most recent) are kept."""
+        if self.state is not LinkState.READY:
+            return
+        stale = [rid for rid in request_ids if rid not in self._requests]
+        tokenspeed = self.runtime is Runtime.TOKENSPEED
+        for rid in stale[-limits.MAX_ORPHAN_IDS:]:
+            self._pending_aborts[rid] = None
+            if tokenspeed:
+                # If the request already finished there, TokenSpeed parks this
+                # ABORT and would silently kill a reuse of the id: refuse reuse.
+                self._note_parked(rid)
+        if stale:
+            self._wake_sender()
+
+    def output_lost(self, message: str) -> None:
+        """The engine's output connection dropped (libzmq closes it for a frame
+        above ``MAXMSGSIZE``, or it broke): whatever was on it is lost. Fail
+        every request whose ADD may have reached the engine and every pending
+        utility call with :class:`RemoteProtocolError` (*message* says why)
+        and abort the requests on the engine. The link stays up (the engine's
+        PUSH reconnects); requests still queued are unaffected."""
+        if self.state is not LinkState.READY:
+            return
+        self.output_drops += 1
+        woke = False
+        for rid, entry in list(self._requests.items()):
+            if entry.add.state is SendState.QUEUED:
+                continue
+            del self._requests[rid]
+            entry.mailbox.fail(RemoteProtocolError(f"request {rid!r}: {message}"))
+            self._pending_aborts[rid] = None
+            woke = True
+        calls = self._utility
+        self._utility = {}
+        for call in calls.values():
+            call.error = RemoteProtocolError(f"utility call {call.method!r}: {message}")
+            call._settle()
+        if woke:
+            self._wake_sender()
 
     # ------------------------------------------------------------------ utility calls
 
@@ -597,6 +670,7 @@ class EngineProtocol:
         the first cause wins."""
         if self.state is LinkState.DEAD:
             return
+        self._orphans = self.possibly_live_ids()  # before the tables are cleared
         self.state = LinkState.DEAD
         self.death = exc
         requests = self._requests

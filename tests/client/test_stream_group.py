@@ -1,0 +1,132 @@
+"""StreamGroup: many requests read by one task in batches, over real sockets
+(the in-process TokenSpeed mock engine, and the vLLM mock engine process)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from zmqdispatch import ClientConfig, connect
+from zmqdispatch.errors import EngineAbortedRequest, EngineDeadError, LocalProtocolError
+from zmqdispatch.multiplex import open_stream_group
+
+from ..faults.engines import mock_argv
+from ..helpers import make_request, make_ts_request
+from .conftest import tokenspeed_pair
+
+
+async def drain(group) -> tuple[dict[str, list], dict[str, BaseException], int]:
+    """Receive until every request delivered its terminal item; check that nothing
+    arrives for a request after it."""
+    tokens: dict[str, list] = {}
+    errors: dict[str, BaseException] = {}
+    done: set[str] = set()
+    batches = 0
+    while len(group):
+        batch = await group.receive()
+        batches += bool(batch)
+        for rid, item in batch:
+            assert rid not in done, f"{rid} delivered after its terminal item"
+            if isinstance(item, BaseException):
+                errors[rid] = item
+                done.add(rid)
+            else:
+                tokens.setdefault(rid, []).extend(item.token_ids)
+                if item.finish_reason is not None:
+                    done.add(rid)
+    return tokens, errors, batches
+
+
+async def test_one_reader_gets_every_stream_in_batches():
+    async with tokenspeed_pair() as (engine, client):
+        async with open_stream_group(client) as group:
+            ids = [group.generate(make_ts_request(f"g{i}", max_new_tokens=20)) for i in range(50)]
+            assert len(group) == 50
+            with trio.fail_after(20):
+                tokens, errors, batches = await drain(group)
+        assert not errors and sorted(tokens) == sorted(ids)
+        assert all(len(t) == 20 for t in tokens.values())
+        # 50 requests x 20 ticks = 1,000 deliveries at most; one wake-up per step
+        assert batches <= 200, batches
+        assert client.protocol.inflight == 0 and not engine.core.running
+
+
+async def test_vllm_engine_and_request_order_is_kept():
+    with trio.fail_after(30):
+        async with connect(launch=mock_argv("{handshake_address}", "--step-interval-ms", "1"),
+                           config=ClientConfig(handshake_timeout=20)) as client:
+            async with open_stream_group(client) as group:
+                for i in range(10):
+                    group.generate(make_request(f"v{i}", max_tokens=30))
+                tokens, errors, _ = await drain(group)
+            assert not errors and all(len(t) == 30 for t in tokens.values())
+            # the same requests through RequestStream give the same tokens, in order
+            async with client.generate(make_request("v3", max_tokens=30)) as stream:
+                solo = [t async for d in stream for t in d.token_ids]
+            assert solo == tokens["v3"]
+
+
+async def test_abort_one_and_leave_aborts_the_rest():
+    async with tokenspeed_pair() as (engine, client):
+        async with open_stream_group(client) as group:
+            for i in range(4):
+                group.generate(make_ts_request(f"a{i}", max_new_tokens=100_000))
+            await group.receive()
+            group.abort(["a1"])
+            assert len(group) == 3 and not client.protocol.is_live("a1")
+            with trio.fail_after(5):
+                for _ in range(3):
+                    batch = await group.receive()
+                    assert "a1" not in {rid for rid, _ in batch}
+        assert client.protocol.inflight == 0
+        with trio.fail_after(5):
+            while engine.core.running:
+                await trio.sleep(0.01)
+        assert sorted(set(engine.core.aborts_received)) == ["a0", "a1", "a2", "a3"]
+
+
+async def test_a_failing_request_is_an_item_and_the_others_go_on():
+    async with tokenspeed_pair(engine_kw={"enable_output_logprobs": False}) as (engine, client):
+        async with open_stream_group(client) as group:
+            group.generate(make_ts_request("bad", return_logprob=True))
+            group.generate(make_ts_request("ok", max_new_tokens=5))
+            with trio.fail_after(10):
+                tokens, errors, _ = await drain(group)
+        assert isinstance(errors["bad"], EngineAbortedRequest)
+        assert len(tokens["ok"]) == 5 and "bad" not in tokens
+
+
+async def test_engine_death_is_one_item_per_request():
+    async with tokenspeed_pair(engine_kw={"faults": (("sentinel", 3),)}) as (engine, client):
+        async with open_stream_group(client) as group:
+            for i in range(5):
+                group.generate(make_ts_request(f"d{i}", max_new_tokens=10_000))
+            with trio.fail_after(10):
+                _, errors, _ = await drain(group)
+        assert sorted(errors) == [f"d{i}" for i in range(5)]
+        assert all(isinstance(e, EngineDeadError) and e.reason == "sentinel" for e in errors.values())
+
+
+async def test_a_cancelled_receive_loses_nothing_and_misuse_is_refused():
+    async with tokenspeed_pair(engine_kw={"step_interval": 0.05}) as (engine, client):
+        async with open_stream_group(client) as group:
+            with trio.move_on_after(0.001):
+                await group.receive()  # nothing yet: parked, then cancelled
+            group.generate(make_ts_request("c", max_new_tokens=3))
+
+            async def second_reader() -> None:
+                with pytest.raises(trio.BusyResourceError):
+                    await group.receive()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(group.receive)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(second_reader)
+            with trio.fail_after(5):
+                tokens, errors, _ = await drain(group)
+            assert not errors
+        with pytest.raises(LocalProtocolError):
+            group.generate(make_ts_request("late"))
+        with pytest.raises(trio.EndOfChannel):
+            await group.receive()
