@@ -23,7 +23,8 @@ def _settings(tmp_path, *extra: str) -> harness.BenchSettings:
     parser = cli._build_parser()
     args = parser.parse_args([
         "bench", "--rounds", "1", "--seconds", "0.2", "--warmup", "0.05", "--concurrency", "1", "4",
-        "--no-paced", "--idle-streams", "40", "--clients", "raw", "zmqdispatch", "--no-plot", "--no-progress",
+        "--no-paced", "--idle-streams", "40", "--clients", "raw", "zmqdispatch", "zmqdispatch-group", "--no-plot",
+        "--no-progress",
         "--output-dir", str(tmp_path / "out"), *extra,
     ])
     settings = harness.BenchSettings(args)
@@ -49,18 +50,20 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
     assert doc["schema"] == harness.SCHEMA
     assert doc["started_at"] <= doc["finished_at"] and doc["duration_s"] > 0
     assert {"cpu", "cpus", "python", "pyzmq", "libzmq"} <= set(doc["machine"])
-    assert set(doc["runners"]) == {"raw", "zmqdispatch"}
+    assert set(doc["runners"]) == {"raw", "zmqdispatch", "zmqdispatch-group"}
     assert doc["real_engine"] is None
     names = [c["name"] for c in doc["cells"]]
     assert names == ["idle-rss", "sat-c1", "sat-c4", "slowmix-c6-2ms"]
 
     for cell in doc["cells"]:
-        assert set(cell["results"]) == {"raw", "zmqdispatch"}
+        assert set(cell["results"]) == {"raw", "zmqdispatch", "zmqdispatch-group"}
         for client, r in cell["results"].items():
             assert len(r["rounds"]) == 1 and r["rounds"][0]["round"] == 1
             m = r["median"]
             assert "error" not in m, m
-            if client == "raw" and (cell["kind"] == "idle_rss" or cell["slow_fraction"]):
+            if (client == "raw" and (cell["kind"] == "idle_rss" or cell["slow_fraction"])) or (
+                client == "zmqdispatch-group" and cell["slow_fraction"]
+            ):
                 assert "skipped" in m
                 continue
             if cell["kind"] == "idle_rss":
@@ -84,6 +87,7 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
 
     md = (tmp_path / "out" / "bench.md").read_text()
     assert "| sat-c4 | zmqdispatch |" in md and "| zmqdispatch | 40 |" in md
+    assert "| sat-c4 | zmqdispatch-group |" in md
     assert md.strip() in "\n".join(lines)
     assert (tmp_path / "out" / "logs" / "round1-zmqdispatch.log").exists()
 

