@@ -16,6 +16,7 @@ prints, from the collapsed stacks:
     pip install py-spy
     python benchmarks/profile_hotpath.py --concurrency 1000                       # saturation
     python benchmarks/profile_hotpath.py --concurrency 100 --step-interval-ms 5   # paced
+    python benchmarks/profile_hotpath.py --concurrency 1000 --group               # the StreamGroup client
     python benchmarks/profile_hotpath.py ... --json out.json --raw stacks.txt
 
 The sampling starts ``--settle`` seconds after the cell was sent (streams
@@ -44,6 +45,7 @@ AREAS = [
     ("mailbox merge/put/take + OutputDelta (protocol/mailbox.py)", r"zmqdispatch[/.]protocol[/.]mailbox"),
     ("client shell: pumps, RequestStream, _park (client.py)", r"zmqdispatch[/.]client"),
     ("socket recv (_zmq_trio.py)", r"zmqdispatch[/.]_zmq_trio"),
+    ("StreamGroup (multiplex.py)", r"zmqdispatch[/.]multiplex"),
     ("benchmark consumer loop + acks (bench/)", r"zmqdispatch[/.]bench[/.]"),
     ("trio scheduler, traps, outcome", r"(^|[/ ])(trio|outcome)[/.]"),
     ("pyzmq (recv_multipart)", r"(^|/)zmq/"),
@@ -57,12 +59,13 @@ HOT = [
     ("    decode_outputs (msgpack + row checks)", "decode_outputs", r"wire/vllm\.py"),
     ("    EngineProtocol._route", "EngineProtocol._route", r"protocol/engine\.py"),
     ("      Mailbox.put (merge + wake)", "Mailbox.put", r"protocol/mailbox\.py"),
-    ("        wake: _park's waiter -> trio reschedule", "_park.<locals>.<lambda>", r"client\.py"),
+    ("        wake: the stream's waiter -> trio reschedule", "RequestStream._wake", r"client\.py"),
     ("consumer side: RequestStream.__anext__", "RequestStream.__anext__", r"client\.py"),
     ("  RequestStream._receive", "RequestStream._receive", r"client\.py"),
-    ("  _park (wait_task_rescheduled)", "_park", r"client\.py"),
+    ("  park (wait_task_rescheduled)", "wait_task_rescheduled", r"trio/_core/_traps\.py"),
     ("consumer task (bench consume, inclusive)", "Runner.throughput.<locals>.consume", r"bench/run_zmqdispatch\.py"),
     ("benchmark acks (Acker.delivered)", "Acker.delivered", r"bench/_common\.py"),
+    ("StreamGroup.receive (group reader)", "StreamGroup.receive", r"multiplex\.py"),
     ("trio run loop (unrolled_run)", "unrolled_run", r"trio/_core/_run\.py"),
 ]
 
@@ -134,6 +137,7 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=4.0, help="seconds before sampling starts")
     ap.add_argument("--duration", type=float, default=8.0, help="seconds of sampling")
     ap.add_argument("--rate", type=int, default=250, help="samples per second")
+    ap.add_argument("--group", action="store_true", help="profile the StreamGroup client (one reader task)")
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--raw", help="keep py-spy's collapsed stacks here")
     args = ap.parse_args()
@@ -144,7 +148,7 @@ def main() -> int:
     window = max(16 * args.concurrency, 4096)  # harness.window_for
     cell = {"name": "profile", "concurrency": args.concurrency, "step_interval_ms": args.step_interval_ms,
             "seconds": args.seconds, "warmup_s": 1.0, "window": window}
-    runner = subprocess.Popen([sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch"],
+    runner = subprocess.Popen([sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", *(["--group"] if args.group else [])],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     tmp = tempfile.mkdtemp(prefix="zmqd-profile-")
     raw_path = args.raw or os.path.join(tmp, "stacks.txt")
@@ -171,7 +175,7 @@ def main() -> int:
     summary["figures"] = {k: r.get(k) for k in ("request_ticks_per_s", "cpu_us_per_tick", "deliveries_per_tick",
                                                 "latency_ms", "cpu_util", "gc_share_of_cpu", "gc_collections",
                                                 "gc_max_pause_ms")}
-    title = (f"zmqdispatch, C={args.concurrency}, "
+    title = (f"zmqdispatch{' StreamGroup' if args.group else ''}, C={args.concurrency}, "
              + (f"one step per {args.step_interval_ms:g} ms" if args.step_interval_ms else "saturation"))
     print(f"{title}: {json.dumps(summary['figures'])}")
     print_summary(title, summary)
