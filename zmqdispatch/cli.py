@@ -1,4 +1,4 @@
-"""Command line: ``zmqdispatch generate`` and ``zmqdispatch mock-engine``.
+"""Command line: ``zmqdispatch generate``, ``zmqdispatch mock-engine`` and ``zmqdispatch bench``.
 
 ``generate`` reads a proto-JSON ``vllm.grpc.engine.GenerateRequest`` (with
 ``--runtime tokenspeed``: a ``tokenspeed.grpc.scheduler.GenerateRequest``), or
@@ -38,6 +38,7 @@ from .mock.server import RUNTIMES
 from .protocol.runtime import Runtime
 from .translate import tokenspeed as ts_translate
 from .translate import vllm as vllm_translate
+from .bench import harness as bench_harness
 
 __all__ = ["main"]
 
@@ -120,6 +121,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KIND[:N]",
         help="sentinel:N, exit:N, garbage:N, silent:N, stop-reading:N, no-ready (repeatable)",
     )
+    b = sub.add_parser("bench", help="transport benchmark: zmqdispatch vs the raw limit vs vLLM's client",
+                       description="See zmqdispatch.bench.harness (progress bar and PNG: the 'bench' extra).")
+    bench_harness.add_arguments(b)
     return parser
 
 
@@ -296,6 +300,8 @@ def _fail(code: int, message: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status."""
     args = _build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench_harness.main(args)
     if args.command == "mock-engine":
         try:
             faults = tuple(parse_fault(f) for f in args.fault)

