@@ -28,7 +28,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 TARGETS = ("vllm_outputs", "vllm_control", "tensors", "vllm_requests", "tokenspeed_outputs", "tokenspeed_requests",
-           "translate")
+           "translate", "tokenspeed_translate")
 
 STAT = re.compile(r"^#(\d+)\s+\w+\s+cov: (\d+) ft: (\d+) corp: (\d+)/")
 DONE = re.compile(r"^Done (\d+) in (\d+) second")

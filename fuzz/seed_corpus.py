@@ -26,7 +26,7 @@ VECTORS = ROOT / "tests" / "wire" / "vectors"
 SEP = b"|FRAME|"
 
 TARGETS = ("vllm_outputs", "vllm_control", "tensors", "vllm_requests", "tokenspeed_outputs", "tokenspeed_requests",
-           "translate")
+           "translate", "tokenspeed_translate")
 
 Seed = tuple[str, bytes]
 
@@ -198,6 +198,32 @@ def translate() -> Iterator[Seed]:
         yield f"fdp-{i}", b"\x00" + blob
 
 
+def tokenspeed_translate() -> Iterator[Seed]:
+    sys.path.insert(0, str(ROOT))
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
+
+    sp = pb.SamplingParams
+    reqs = {
+        "greedy": pb.GenerateRequest(request_id="g", tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
+                                     sampling_params=sp(temperature=0.0, max_new_tokens=8)),
+        "full": pb.GenerateRequest(
+            request_id="full", stream=True, return_logprob=True, tokenized=pb.TokenizedInput(input_ids=[3, 4, 5]),
+            sampling_params=sp(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, frequency_penalty=0.5,
+                               presence_penalty=-0.5, repetition_penalty=1.1, max_new_tokens=32, min_new_tokens=2,
+                               stop_token_ids=[5, 6], sampling_seed=7, logit_bias={"4": 1.5}, n=3,
+                               no_stop_trim=True, stop=["STOP", "\n\n"])),
+        "json": pb.GenerateRequest(request_id="j", tokenized=pb.TokenizedInput(input_ids=[9]),
+                                   sampling_params=sp(json_schema='{"type": "object"}', max_new_tokens=4)),
+        "top1": pb.GenerateRequest(request_id="t1", tokenized=pb.TokenizedInput(input_ids=[9]), return_logprob=True,
+                                   top_logprobs_num=1, sampling_params=sp(temperature=0.0)),
+        "no-input": pb.GenerateRequest(request_id="n"),
+    }
+    for name, r in reqs.items():
+        yield f"proto-{name}", b"\x01" + r.SerializeToString()
+    for i, blob in enumerate((bytes(range(256)), bytes(range(255, -1, -1)), b"\x01" * 200, b"\xff" * 200)):
+        yield f"fdp-{i}", b"\x00" + blob
+
+
 GENERATORS = {
     "vllm_outputs": vllm_outputs,
     "vllm_control": vllm_control,
@@ -206,6 +232,7 @@ GENERATORS = {
     "tokenspeed_outputs": tokenspeed_outputs,
     "tokenspeed_requests": tokenspeed_requests,
     "translate": translate,
+    "tokenspeed_translate": tokenspeed_translate,
 }
 
 
