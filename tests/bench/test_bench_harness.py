@@ -122,7 +122,7 @@ def test_cli_bench_help_needs_no_plotting_or_progress_libraries() -> None:
 
 
 def test_plot(tmp_path) -> None:
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is not installed; scripts/test installs it")
     from zmqdispatch.bench.plot import plot
 
     def cell(name, c, v, p99):
