@@ -16,12 +16,14 @@ the named runtime (default ``vllm``). Engine choice:
 
 Exit status: 0 the generate completed; 2 the client rejected the request
 (nothing was sent); 3 the engine failed (dead, handshake, engine error); 130
-interrupted. Failures print one line on stderr, no traceback.
+interrupted (SIGINT), 143 terminated (SIGTERM): both stop a launched engine
+first. Failures print one line on stderr, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -46,6 +48,11 @@ EXIT_OK = 0
 EXIT_REJECTED = 2
 EXIT_ENGINE = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: the generate was cancelled and its engine stopped."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -232,6 +239,28 @@ def _print(resp: object) -> None:
 
 
 async def _generate(args: argparse.Namespace, req: object) -> int:
+    """Run :func:`_dispatch`; SIGTERM cancels it (so a launched engine is stopped,
+    as on SIGINT) and raises :class:`_Terminated`."""
+    terminated = False
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal terminated
+                async for _ in signals:
+                    terminated = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+            code = await _dispatch(args, req)
+            nursery.cancel_scope.cancel()
+    if terminated:
+        raise _Terminated
+    return code
+
+
+async def _dispatch(args: argparse.Namespace, req: object) -> int:
     config = ClientConfig(
         handshake_timeout=args.handshake_timeout,
         silence_timeout=args.silence_timeout,
@@ -345,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EXIT_REJECTED if isinstance(exc, FileNotFoundError) else EXIT_ENGINE, str(exc))
     except KeyboardInterrupt:
         return _fail(EXIT_INTERRUPTED, "interrupted")
+    except _Terminated:
+        return _fail(EXIT_TERMINATED, "terminated (SIGTERM)")
 
 
 def main_entry() -> None:

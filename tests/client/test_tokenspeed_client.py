@@ -77,16 +77,24 @@ async def test_requiring_the_other_runtime_fails_the_handshake():
 
     d = tempfile.mkdtemp(prefix="zqt-")
     addr = f"ipc://{d}/hs.sock"
+    client_done = trio.Event()
     async with trio.open_nursery() as nursery:
 
         async def engine_side() -> None:
-            engine = await start_mock_engine(MockEngineConfig(handshake_address=addr, runtime="tokenspeed"), in_process=True)
+            engine = await start_mock_engine(MockEngineConfig(handshake_address=addr, runtime="tokenspeed"),
+                                             in_process=True)
+            # keep the sockets until the client decided: closing them at once
+            # (linger 0) could drop the ready response before it is delivered
+            await client_done.wait()
             engine.socks.close()
 
         nursery.start_soon(engine_side)
-        with pytest.raises(EngineHandshakeError, match="expected a vLLM EngineCore"):
-            async with connect(addr, runtime="vllm"):
-                pass
+        try:
+            with trio.fail_after(30), pytest.raises(EngineHandshakeError, match="expected a vLLM EngineCore"):
+                async with connect(addr, runtime="vllm"):
+                    pass
+        finally:
+            client_done.set()
 
 
 async def test_utility_calls_are_unsupported():

@@ -179,3 +179,36 @@ def test_stop_strings_with_a_tokenizer_file(tmp_path):
     complete = lines(p.stdout)[-1]["complete"]
     assert complete["output_ids"] == free[:4]
     assert complete["finish_reason"] == "stop" and complete["matched_stop_str"] == stop
+
+
+def test_sigterm_stops_the_generate_and_its_launched_engine(tmp_path):
+    import signal
+    import time
+
+    pidfile = tmp_path / "engine.pid"
+    launch = (f"sh -c 'echo $$ > {pidfile}; exec {sys.executable} -m zmqdispatch mock-engine "
+              "--handshake-address {handshake_address}'")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zmqdispatch", "generate", "--prompt-token-ids", "1,2,3", "--max-tokens", "4000",
+         "--launch", launch],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )
+    try:
+        assert proc.stdout.readline()  # streaming: the engine is up
+        engine_pid = int(pidfile.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        assert "terminated" in proc.stderr.read()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"the launched engine {engine_pid} outlived its client")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
