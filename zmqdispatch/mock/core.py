@@ -23,6 +23,11 @@ What it reproduces of the real engine (vLLM 0.32, verified facts in
 
 Tokens are deterministic: a function of the prompt, the position and the
 seed, so the same greedy request gives the same ids on every run.
+
+Not reproduced (the real-engine tests cover these): logprobs and prompt
+logprobs (the mock sends none, so a request asking for them gets empty
+``output_logprobs``), and unseeded sampling (an unseeded request uses seed 0,
+so unseeded ``n > 1`` samples are identical here, unlike on a real engine).
 """
 
 from __future__ import annotations
