@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import trio
 from google.protobuf import json_format
 
-from .client import ClientConfig, connect
+from .client import ClientConfig, _unwrap, connect
 from .errors import EngineError, RequestError, RequestRejected, ZmqDispatchError
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
@@ -243,18 +243,21 @@ async def _generate(args: argparse.Namespace, req: object) -> int:
     as on SIGINT) and raises :class:`_Terminated`."""
     terminated = False
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
 
-            async def watch() -> None:
-                nonlocal terminated
-                async for _ in signals:
-                    terminated = True
-                    nursery.cancel_scope.cancel()
-                    return
+                async def watch() -> None:
+                    nonlocal terminated
+                    async for _ in signals:
+                        terminated = True
+                        nursery.cancel_scope.cancel()
+                        return
 
-            nursery.start_soon(watch)
-            code = await _dispatch(args, req)
-            nursery.cancel_scope.cancel()
+                nursery.start_soon(watch)
+                code = await _dispatch(args, req)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            raise _unwrap(eg) from None  # the typed error main() reports, not a group
     if terminated:
         raise _Terminated
     return code
