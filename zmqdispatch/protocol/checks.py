@@ -160,6 +160,25 @@ def check_sampling_params(
         raise bad("eos_token_id", f"must be a non-negative int, got {sp.eos_token_id!r}")
 
 
+def _check_id_and_prompt(rid: object, prompt: object, field: str, vocab_size: int | None,
+                         *, max_id: int | None = None) -> None:
+    """Both runtimes: a non-empty UTF-8 request id, a non-empty prompt of token ids
+    (below ``vocab_size`` when known, an id past the embedding table crashes the engine)."""
+    if type(rid) is not str or not rid:
+        raise _reject("", "request_id", f"must be a non-empty str, got {rid!r}")
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _reject("", "request_id", "must be valid UTF-8 text (no lone surrogates)") from None
+    if prompt is None or len(prompt) == 0:
+        raise _reject(rid, field, "must be a non-empty list of token ids")
+    for i, t in enumerate(prompt):
+        if not _is_int(t) or t < 0 or (max_id is not None and t > max_id):
+            raise _reject(rid, field, f"element {i} must be a non-negative int token id, got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise _reject(rid, field, f"element {i} is {t}, not below vocab_size={vocab_size} (the engine would crash)")
+
+
 def check_request(
     request: wire.EngineCoreRequest,
     *,
@@ -184,24 +203,8 @@ def check_request(
             ``prompt_len + max_tokens > max_model_len``; states both numbers.
     """
     rid = request.request_id
-    if type(rid) is not str or not rid:
-        raise _reject("", "request_id", f"must be a non-empty str, got {rid!r}")
-    try:
-        rid.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _reject("", "request_id", "must be valid UTF-8 text (no lone surrogates)") from None
     prompt = request.prompt_token_ids
-    if prompt is None or len(prompt) == 0:
-        raise _reject(rid, "prompt_token_ids", "must be a non-empty list of token ids")
-    for i, t in enumerate(prompt):
-        if not _is_int(t) or t < 0:
-            raise _reject(rid, "prompt_token_ids", f"element {i} must be a non-negative int, got {t!r}")
-        if vocab_size is not None and t >= vocab_size:
-            raise _reject(
-                rid,
-                "prompt_token_ids",
-                f"element {i} is {t}, not below vocab_size={vocab_size} (the engine would crash)",
-            )
+    _check_id_and_prompt(rid, prompt, "prompt_token_ids", vocab_size)
     sp = request.sampling_params
     if sp is None:
         raise _reject(rid, "sampling_params", "must be set (vLLM fails a generate request without them)")
@@ -295,20 +298,8 @@ def check_tokenspeed_request(
             context is *not* refused: TokenSpeed clamps it to the context.
     """
     rid = request.rid
-    if type(rid) is not str or not rid:
-        raise _reject("", "request_id", f"must be a non-empty str, got {rid!r}")
-    try:
-        rid.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _reject("", "request_id", "must be valid UTF-8 text (no lone surrogates)") from None
     prompt = request.input_ids
-    if prompt is None or len(prompt) == 0:
-        raise _reject(rid, "input_ids", "must be a non-empty list of token ids (the engine does not check)")
-    for i, t in enumerate(prompt):
-        if not _is_int(t) or t < 0 or t > limits.MAX_TOKEN_ID:
-            raise _reject(rid, "input_ids", f"element {i} must be a token id in [0, 2**32), got {t!r}")
-        if vocab_size is not None and t >= vocab_size:
-            raise _reject(rid, "input_ids", f"element {i} is {t}, not below vocab_size={vocab_size}")
+    _check_id_and_prompt(rid, prompt, "input_ids", vocab_size, max_id=limits.MAX_TOKEN_ID)
     sp = request.sampling_params
     if not isinstance(sp, ts.TokenSpeedSamplingParams):
         raise _reject(rid, "sampling_params", f"must be TokenSpeedSamplingParams, got {type(sp).__name__}")
