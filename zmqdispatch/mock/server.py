@@ -130,7 +130,74 @@ def _input_thread_would_die(req: wire.EngineCoreRequest) -> bool:
     )
 
 
-class _MockEngine:
+class _EngineLoop:
+    """The stepping loop both mock engines share: send queued extras (replies,
+    admission aborts), step while requests run (paced by ``step_interval``), and
+    apply the step-counted faults. Subclasses set ``label``, ``cfg``, ``socks``,
+    ``core``, ``extra`` (encoded messages), ``wake``, ``fatal``, ``steps``, and
+    implement :meth:`_step_frames` and :meth:`reader`."""
+
+    label = "mock engine"
+    sentinel = wire.ENGINE_CORE_DEAD  # the same 16 bytes on both runtimes
+
+    def _step_frames(self) -> list[bytes] | None:  # pragma: no cover - abstract
+        """Advance the core one step; the message to send, or None."""
+        raise NotImplementedError
+
+    async def stepper(self) -> None:
+        out = self.socks.output
+        cfg = self.cfg
+        sentinel_at = cfg.fault("sentinel")
+        exit_at = cfg.fault("exit")
+        garbage_at = cfg.fault("garbage")
+        silent_at = cfg.fault("silent")
+        next_step = trio.current_time()
+        while True:
+            if self.fatal is not None:
+                await out.send([self.sentinel])
+                print(f"{self.label} {cfg.engine_index}: fatal: {self.fatal}", file=sys.stderr)
+                out.close(linger_ms=4000)
+                _exit(self, 1, flush=True)
+            while self.extra:
+                await out.send(self.extra.pop(0))
+            if not self.core.running:
+                self.wake = trio.Event()
+                await self.wake.wait()
+                next_step = trio.current_time()
+                continue
+            if cfg.step_interval > 0:
+                next_step = max(next_step + cfg.step_interval, trio.current_time() - cfg.step_interval)
+                await trio.sleep_until(next_step)
+            else:
+                await trio.sleep(0)
+            if self.fatal is not None or not self.core.running:
+                continue
+            self.steps += 1
+            if sentinel_at is not None and self.steps > sentinel_at:
+                self.fatal = "fault injection: sentinel"
+                continue
+            if exit_at is not None and self.steps > exit_at:
+                _exit(self, 1)
+            frames = self._step_frames()
+            if frames is None or (silent_at is not None and self.steps > silent_at):
+                continue
+            if garbage_at is not None and self.steps > garbage_at:
+                await out.send([b"\xc1garbage"])
+                continue
+            await out.send(frames)
+
+    async def run(self) -> None:
+        """Serve until cancelled (reader and stepper), or until the engine exits."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.reader)
+                nursery.start_soon(self.stepper)
+        except* _Exited:
+            self.socks.close()
+
+
+
+class _MockEngine(_EngineLoop):
     def __init__(self, cfg: MockEngineConfig, socks: EngineSockets) -> None:
         self.cfg = cfg
         self.socks = socks
@@ -200,56 +267,8 @@ class _MockEngine:
             weight_version=None if (utility is not None or finished) else "default",
         )
 
-    async def stepper(self) -> None:
-        out = self.socks.output
-        cfg = self.cfg
-        sentinel_at = cfg.fault("sentinel")
-        exit_at = cfg.fault("exit")
-        garbage_at = cfg.fault("garbage")
-        silent_at = cfg.fault("silent")
-        next_step = trio.current_time()
-        while True:
-            if self.fatal is not None:
-                await out.send([wire.ENGINE_CORE_DEAD])
-                print(f"mock engine {cfg.engine_index}: fatal: {self.fatal}", file=sys.stderr)
-                out.close(linger_ms=4000)
-                _exit(self, 1, flush=True)
-            while self.extra:
-                await out.send(self.extra.pop(0))
-            if not self.core.running:
-                self.wake = trio.Event()
-                await self.wake.wait()
-                next_step = trio.current_time()
-                continue
-            if cfg.step_interval > 0:
-                next_step = max(next_step + cfg.step_interval, trio.current_time() - cfg.step_interval)
-                await trio.sleep_until(next_step)
-            else:
-                await trio.sleep(0)
-            if self.fatal is not None or not self.core.running:
-                continue
-            self.steps += 1
-            if sentinel_at is not None and self.steps > sentinel_at:
-                self.fatal = "fault injection: sentinel"
-                continue
-            if exit_at is not None and self.steps > exit_at:
-                _exit(self, 1)
-            outputs = self.core.step()
-            if silent_at is not None and self.steps > silent_at:
-                continue
-            if garbage_at is not None and self.steps > garbage_at:
-                await out.send([b"\xc1garbage"])
-                continue
-            await out.send(self._encode(outputs))
-
-    async def run(self) -> None:
-        """Serve until cancelled (reader and stepper), or until the engine exits."""
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.reader)
-                nursery.start_soon(self.stepper)
-        except* _Exited:
-            self.socks.close()
+    def _step_frames(self) -> list[bytes]:
+        return self._encode(self.core.step())
 
     async def shutdown(self) -> None:
         if self.socks.output.closed:
@@ -259,8 +278,10 @@ class _MockEngine:
             await self.socks.output.send(self._encode(outs, finished=tuple(o.request_id for o in outs)))
 
 
-class _TokenSpeedMockEngine:
+class _TokenSpeedMockEngine(_EngineLoop):
     """The I/O half of the TokenSpeed mock (the state is :class:`MockTokenSpeedScheduler`)."""
+
+    label = "mock tokenspeed"
 
     def __init__(self, cfg: MockEngineConfig, socks: EngineSockets) -> None:
         self.cfg = cfg
@@ -274,7 +295,7 @@ class _TokenSpeedMockEngine:
             stream_interval=cfg.stream_interval,
             enable_output_logprobs=cfg.enable_output_logprobs,
         )
-        self.extra: list[ts.TokenSpeedBatch] = []  # admission aborts, sent by the stepper
+        self.extra: list[list[bytes]] = []  # admission aborts, sent by the stepper
         self.wake = trio.Event()
         self.fatal: str | None = None
         self.steps = 0
@@ -303,66 +324,19 @@ class _TokenSpeedMockEngine:
                 return
             immediate = self.core.add(body)
             if immediate is not None:
-                self.extra.append(immediate)
+                self.extra.append(ts.encode_outputs(immediate))
             self.wake.set()
             if stop_after is not None and adds >= stop_after:
                 await trio.sleep_forever()
 
-    async def stepper(self) -> None:
-        out = self.socks.output
-        cfg = self.cfg
-        sentinel_at = cfg.fault("sentinel")
-        exit_at = cfg.fault("exit")
-        garbage_at = cfg.fault("garbage")
-        silent_at = cfg.fault("silent")
-        next_step = trio.current_time()
-        while True:
-            if self.fatal is not None:
-                await out.send([ts.ENGINE_CORE_DEAD])
-                print(f"mock tokenspeed {cfg.engine_index}: fatal: {self.fatal}", file=sys.stderr)
-                out.close(linger_ms=4000)
-                _exit(self, 1, flush=True)
-            while self.extra:
-                await out.send(ts.encode_outputs(self.extra.pop(0)))
-            if not self.core.running:
-                self.wake = trio.Event()
-                await self.wake.wait()
-                next_step = trio.current_time()
-                continue
-            if cfg.step_interval > 0:
-                next_step = max(next_step + cfg.step_interval, trio.current_time() - cfg.step_interval)
-                await trio.sleep_until(next_step)
-            else:
-                await trio.sleep(0)
-            if self.fatal is not None or not self.core.running:
-                continue
-            self.steps += 1
-            if sentinel_at is not None and self.steps > sentinel_at:
-                self.fatal = "fault injection: sentinel"
-                continue
-            if exit_at is not None and self.steps > exit_at:
-                _exit(self, 1)
-            batch = self.core.step()
-            if batch is None or (silent_at is not None and self.steps > silent_at):
-                continue
-            if garbage_at is not None and self.steps > garbage_at:
-                await out.send([b"\xc1garbage"])
-                continue
-            await out.send(ts.encode_outputs(batch))
+    def _step_frames(self) -> list[bytes] | None:
+        batch = self.core.step()
+        return None if batch is None else ts.encode_outputs(batch)
 
     async def shutdown(self) -> None:
         # TokenSpeed's event loop sends the sentinel (best effort) when it closes.
         if not self.socks.output.closed:
             self.socks.output.try_send([ts.ENGINE_CORE_DEAD])
-
-    async def run(self) -> None:
-        """Serve until cancelled (reader and stepper), or until the engine exits."""
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.reader)
-                nursery.start_soon(self.stepper)
-        except* _Exited:
-            self.socks.close()
 
 
 def _ready_response(cfg: MockEngineConfig) -> wire.EngineCoreReadyResponse:
