@@ -27,6 +27,7 @@ when the exit is a cancellation (an ``await`` in a cancelled scope would raise
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shlex
@@ -89,6 +90,17 @@ class ClientConfig:
             (``reason="disconnected"``). Right for same-host engines, where it
             catches a SIGKILLed engine we did not spawn at once; turn it off
             for tcp links that may drop and reconnect.
+        pause_gc_while_routing: hold off Python's cyclic garbage collector
+            while one received batch is decoded and routed (synchronous: no
+            other task runs meanwhile, and no user code), then restore it. A
+            step of C requests allocates about 2 x C tuples that die right after
+            routing; collections in the middle of it promote them to the older
+            generations, and those then cost full collections of tens of
+            milliseconds (``benchmarks/README.md``). It is msgpack's own advice
+            for large messages. Nothing happens when the collector is already
+            disabled. Process-wide, like every ``gc`` switch: another thread
+            allocating in that window (at most one batch's routing) is not
+            collected until it ends.
     """
 
     handshake_timeout: float = limits.DEFAULT_HANDSHAKE_TIMEOUT
@@ -104,6 +116,7 @@ class ClientConfig:
     output_address: str | None = None
     terminate_grace: float = limits.DEFAULT_TERMINATE_GRACE
     death_on_disconnect: bool = True
+    pause_gc_while_routing: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -529,6 +542,7 @@ class EngineClient:
     async def _output_pump(self) -> None:
         sock = self._output
         p = self._protocol
+        pause_gc = self.config.pause_gc_while_routing
         try:
             while p.state is LinkState.READY:
                 if self._output_dropped:
@@ -541,8 +555,16 @@ class EngineClient:
                 if batch is None:
                     continue
                 self._last_activity = trio.current_time()
-                for frames in batch:
-                    p.frames_received(frames)
+                if pause_gc and gc.isenabled():
+                    gc.disable()
+                    try:
+                        for frames in batch:
+                            p.frames_received(frames)
+                    finally:
+                        gc.enable()
+                else:
+                    for frames in batch:
+                        p.frames_received(frames)
         except trio.ClosedResourceError:
             return
 

@@ -60,8 +60,11 @@ class _Member:
         def hook() -> None:  # the mailbox's waiter: called by the router task
             if not self.queued:
                 self.queued = True
+                if not ready:
+                    # Only the first member queued since the reader last took
+                    # needs to wake it: the reader parks only on an empty queue.
+                    wake()
                 ready.append(self)
-                wake()
 
         self.hook = hook
 
@@ -165,19 +168,21 @@ class StreamGroup:
             if members.get(rid) is not member:
                 continue  # aborted meanwhile
             mb = member.mailbox
-            try:
-                delta = mb.take()
-                if delta is not None:
-                    batch.append((rid, delta))
-                    if delta.finish_reason is not None:
-                        del members[rid]
-                        continue
-                if mb.finished:
+            delta = mb.pending
+            if delta is not None:  # Mailbox.take(), inlined for the common case
+                mb.pending = None
+                mb.pending_tokens = 0
+                batch.append((rid, delta))
+                if delta.finish_reason is not None:
+                    del members[rid]
+                    continue
+            if mb.finished:
+                try:
                     mb.take()  # the stream's error, after the tokens it had
-            except BaseException as exc:  # a typed error ending this request only
-                batch.append((rid, exc))
-                del members[rid]
-                continue
+                except BaseException as exc:  # a typed error ending this request only
+                    batch.append((rid, exc))
+                    del members[rid]
+                    continue
             mb.waiter = member.hook  # re-armed before any await: no lost wake-up
         return batch
 

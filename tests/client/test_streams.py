@@ -346,3 +346,35 @@ async def test_abort_queued_just_before_the_client_exits_still_reaches_the_engin
                 s.abort()  # queued; the client block ends before the input pump runs
             assert await engine.receive_abort() == ("r1",)
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("pause", "enabled_before", "enabled_while_routing"),
+    [(True, True, False), (False, True, True), (True, False, False)],
+)
+async def test_gc_is_paused_only_while_a_batch_is_routed(
+    pause: bool, enabled_before: bool, enabled_while_routing: bool
+) -> None:
+    import gc
+
+    seen: list[bool] = []
+    was = gc.isenabled()
+    try:
+        async with fake_pair(pause_gc_while_routing=pause) as (engine, client):
+            routed = client.protocol.frames_received
+
+            def spy(frames: list[bytes]) -> None:
+                seen.append(gc.isenabled())
+                routed(frames)
+
+            client.protocol.frames_received = spy
+            (gc.enable if enabled_before else gc.disable)()
+            async with client.generate(make_request("r1")) as stream:
+                await engine.receive_add()
+                await engine.send_tokens("r1", [1])
+                assert (await stream.receive()).token_ids == [1]
+                # restored once the batch is routed: as it was before
+                assert gc.isenabled() is enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen and all(s is enabled_while_routing for s in seen)

@@ -279,7 +279,7 @@ def test_outputs_roundtrip(message: tuple[dict, list[w.EngineCoreOutput]]) -> No
     decoded = w.decode_outputs(frames)
     check_message(decoded, env, outs)
     for row in decoded.outputs:
-        assert len(row) == w.ROW_LEN and row[w.O_ERROR] is None
+        assert len(row) == w.ROW_LEN and w.output_error(row) is None
 
 
 @SETTINGS
@@ -292,7 +292,7 @@ def test_outputs_roundtrip_vllm_033_rows(message: tuple[dict, list[w.EngineCoreO
     for row, out in zip(decoded.outputs, outs):
         assert len(row) == 19
         if out.error is not None:
-            assert row[w.O_ERROR] == {"code": out.error.code, "message": out.error.message,
+            assert w.output_error(row) == {"code": out.error.code, "message": out.error.message,
                                       "retryable": out.error.retryable}
 
 
@@ -376,7 +376,7 @@ def test_outputs_missing_trailing_elements_take_defaults(
                              "finished_requests", "wave_complete", "start_wave", "weight_version")):
         if i >= env_len:
             assert getattr(d, key) == defaults[i], key
-    default_row = (None,) * 13 + (0,) + (None,) * 5  # vLLM's defaults; num_nans_in_logits = 0
+    default_row = (None,) * 13 + (0,) + (None,) * 4  # vLLM 0.32.0's defaults; num_nans_in_logits = 0
     for row, full in zip(d.outputs, full_rows):
         assert len(row) == w.ROW_LEN
         assert row[:row_len] == full[:row_len]
@@ -657,6 +657,23 @@ def test_bad_rows_name_the_field(row: object, field: str) -> None:
     assert re.search(f"outputs\\[1\\]\\.{field}", str(err))
     expected_rid = row[0] if isinstance(row, list) and row and isinstance(row[0], str) else None
     assert rid == expected_rid
+
+
+@pytest.mark.parametrize("bad_at", [0, 1, 3, 5])
+def test_rows_keep_their_order_around_short_and_bad_rows(bad_at: int) -> None:
+    # Well-formed rows are passed through uncopied; from the first short or bad
+    # row on, the decoder builds its own list: order and padding must not change.
+    rows: list[object] = [_row(O_REQUEST_ID=f"r{i}", O_NEW_TOKEN_IDS=[i]) for i in range(6)]
+    rows[bad_at] = _row(O_REQUEST_ID=f"r{bad_at}", O_FINISH_REASON=9)
+    rows[4] = ["r4", [4]]  # short: padded with vLLM's defaults
+    msg = w.decode_outputs([msgpack.packb([0, rows, None, 1.0])])
+    kept = [i for i in range(6) if i != bad_at]
+    assert [r[w.O_REQUEST_ID] for r in msg.outputs] == [f"r{i}" for i in kept]
+    assert [r[w.O_NEW_TOKEN_IDS] for r in msg.outputs] == [(i,) for i in kept]
+    assert all(len(r) >= w.ROW_LEN for r in msg.outputs)
+    assert msg.outputs[kept.index(4)][w.O_NUM_NANS] == 0
+    ((rid, err),) = msg.bad_rows
+    assert rid == f"r{bad_at}" and "finish_reason" in str(err)
 
 
 @pytest.mark.parametrize(

@@ -266,6 +266,10 @@ class GcTimer:
         self.seconds = 0.0
         self.max_pause = 0.0
         self.collections = [0, 0, 0]
+        self.seconds_by_generation = [0.0, 0.0, 0.0]
+        #: objects the collector tracked when the window opened (``gc.get_objects()``), frozen ones apart
+        self.tracked_objects = 0
+        self.frozen_objects = 0
         self._t0 = 0.0
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
@@ -276,8 +280,11 @@ class GcTimer:
             self.seconds += pause
             self.max_pause = max(self.max_pause, pause)
             self.collections[info["generation"]] += 1
+            self.seconds_by_generation[info["generation"]] += pause
 
     def __enter__(self) -> "GcTimer":
+        self.tracked_objects = len(gc.get_objects())
+        self.frozen_objects = gc.get_freeze_count()
         gc.callbacks.append(self._callback)
         return self
 
@@ -330,6 +337,9 @@ def throughput_result(
         "gc_share_of_cpu": tally.gc.seconds / cpu if cpu > 0 else None,
         "gc_collections": tally.gc.collections,
         "gc_max_pause_ms": tally.gc.max_pause * 1000.0,
+        "gc_ms_by_generation": [1000.0 * s for s in tally.gc.seconds_by_generation],
+        "gc_tracked_objects": tally.gc.tracked_objects,
+        "gc_frozen_objects": tally.gc.frozen_objects,
         "latency_ms": percentiles(tally.latency),
         "engine": {
             "steps_per_s": engine.get("steps_per_s"),

@@ -740,8 +740,8 @@ class ResponseBuilder:
         if fed.matched is not None:
             self.stopped_early = delta.finish_reason is None
             finish, stop_reason = wire.FinishReason.STOP, fed.matched
-        return attrs.evolve(delta, token_ids=fed.token_ids, logprobs=logprobs, finish_reason=finish,
-                            stop_reason=stop_reason)
+        return delta.replace(token_ids=fed.token_ids, logprobs=logprobs, finish_reason=finish,
+                             stop_reason=stop_reason)
 
     def _complete(self, delta: OutputDelta) -> pb.GenerateResponse:
         complete = pb.GenerateComplete(

@@ -105,6 +105,7 @@ __all__ = [
     "O_SPEC_DECODE_METRICS",
     "O_PROMPT_TOKEN_ID_LOGPROBS",
     "O_ERROR",
+    "output_error",
     "UtilityResult",
     "UtilityOutput",
     "EngineCoreOutputs",
@@ -775,13 +776,22 @@ O_SPEC_DECODE_METRICS = 16
 O_PROMPT_TOKEN_ID_LOGPROBS = 17
 O_ERROR = 18
 
-#: Every decoded row has at least this many elements, so ``row[O_ERROR]`` is always valid.
-ROW_LEN = 19
+#: Every decoded row has at least this many elements (vLLM 0.32.0's 18), so every
+#: ``O_*`` position but ``O_ERROR`` is always readable; ``O_ERROR`` (0.33.0's 19th
+#: element) is present only when the engine sent it: read it with :func:`output_error`.
+ROW_LEN = 18
 # vLLM's defaults for each position (0 and 1 are required, never padded).
 _ROW_DEFAULTS: tuple[Any, ...] = (None,) * O_NUM_NANS + (0,) + (None,) * (ROW_LEN - O_NUM_NANS - 1)
-# _ROW_PADS[n] is the tail that pads an n-element row to ROW_LEN (precomputed: the hot
-# loop then does one tuple concatenation and no slicing).
+# _ROW_PADS[n] is the tail that pads an n-element row to ROW_LEN (precomputed: only rows
+# shorter than 0.32.0's are padded, with one tuple concatenation; full rows are kept as
+# msgpack built them, no per-row copy).
 _ROW_PADS: tuple[tuple[Any, ...], ...] = tuple(_ROW_DEFAULTS[n:] for n in range(ROW_LEN))
+
+
+def output_error(row: tuple[Any, ...]) -> Any:
+    """A decoded row's ``error`` (vLLM 0.33.0 ``EngineCoreOutput.error``, a map) or
+    ``None`` when the row has no such element (0.32.0) or it is nil."""
+    return row[O_ERROR] if len(row) > O_ERROR else None
 # EngineCoreOutputs envelope defaults: engine_index .. weight_version.
 _ENVELOPE_DEFAULTS: tuple[Any, ...] = (0, (), None, 0.0, None, None, None, None, None)
 _ENVELOPE_LEN = len(_ENVELOPE_DEFAULTS)
@@ -837,7 +847,7 @@ class EngineCoreOutputs:
     Attributes:
         engine_index: the sending engine's index (DP rank).
         outputs: raw ``EngineCoreOutput`` rows, each a tuple of at least :data:`ROW_LEN`
-            elements indexed with the ``O_*`` constants. Checked: ``[O_REQUEST_ID]`` str,
+            elements indexed with the ``O_*`` constants (``O_ERROR``: :func:`output_error`). Checked: ``[O_REQUEST_ID]`` str,
             ``[O_NEW_TOKEN_IDS]`` tuple of non-negative ints (the step's *new* tokens),
             ``[O_FINISH_REASON]`` nil or 0..4, ``[O_STOP_REASON]`` nil/int/str,
             ``[O_PREFILL_STATS]`` nil or map. Other positions are raw msgpack values
@@ -878,11 +888,10 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
 
     Wire format: vLLM 0.32.0 ``vllm/v1/engine/__init__.py`` ``EngineCoreOutputs`` /
     ``EngineCoreOutput`` (array_like). One ``msgpack.unpackb`` (arrays as tuples) plus
-    one loop over the rows; no per-token objects. Envelopes shorter than 9 elements
-    (at least 2) take vLLM's defaults; longer ones are accepted. Rows shorter than
-    :data:`ROW_LEN` are padded with vLLM's defaults (one tuple concatenation for a
-    0.32.0 18-element row), so ``row[O_ERROR]`` is always readable; longer rows are
-    kept as they are.
+    one loop over the rows; no per-token objects, no per-row copy. Envelopes shorter
+    than 9 elements (at least 2) take vLLM's defaults; longer ones are accepted. Rows
+    shorter than :data:`ROW_LEN` (0.32.0's 18) are padded with vLLM's defaults; full
+    rows (18, or 0.33.0's 19 with ``error``) and longer ones are kept as they are.
 
     Raises:
         RemoteProtocolError: the ``ENGINE_CORE_DEAD`` sentinel (check
@@ -925,53 +934,49 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
         raise RemoteProtocolError("EngineCoreOutputs.weight_version: expected a str or nil")
 
     # The per-row loop: type() identity tests only, locals for every global, no
-    # per-token objects. Error messages are built only on failure; a bad row is
-    # set aside (with its request id when readable), the others go on.
+    # per-token objects, and no copy of the rows while they are all well formed
+    # (msgpack's tuple is kept; a list is started only at the first padded or bad
+    # row). Error messages are built only on failure; a bad row is set aside (with
+    # its request id when readable), the others go on.
     max_tokens = _limits.MAX_TOKENS_PER_TICK
     max_id = _limits.MAX_TOKEN_ID
-    pads = _ROW_PADS
     row_len = ROW_LEN
     _tuple, _int, _str, _dict = tuple, int, str, dict
-    out = []
-    append = out.append
+    out: list[tuple[Any, ...]] | None = None
     bad: list[tuple[str | None, RemoteProtocolError]] | None = None
     for i, row in enumerate(rows):
-        problem = None
-        if type(row) is not _tuple or len(row) < 2:
-            problem = "row: expected an array of >= 2 elements"
-        elif type(row[0]) is not _str:
-            problem = "request_id: expected a str"
-        else:
+        # The accepted shape is tested first, in one expression per field; the
+        # problem is worked out only for a row that fails it.
+        if type(row) is _tuple and len(row) >= row_len and type(row[0]) is _str:
             toks = row[1]
-            if type(toks) is not _tuple or len(toks) > max_tokens:
-                problem = f"new_token_ids: expected an array of at most {max_tokens} ints"
-            else:
+            if type(toks) is _tuple and len(toks) <= max_tokens:
                 for t in toks:
                     if type(t) is not _int or t < 0 or t > max_id:
-                        problem = f"new_token_ids: {t!r} is not a token id (0..{max_id})"
                         break
-            if problem is None:
-                n = len(row)
-                if n < row_len:
-                    row += pads[n]
-                fr = row[5]
-                sr = row[6]
-                ps = row[11]
-                if fr is not None and (type(fr) is not _int or fr < 0 or fr > 4):
-                    problem = f"finish_reason: {fr!r} is not nil or 0..4"
-                elif sr is not None and type(sr) is not _str and (type(sr) is not _int or sr < 0 or sr > max_id):
-                    problem = "stop_reason: expected nil, a token id or a str"
-                elif ps is not None and (type(ps) is not _dict or not _prefill_stats_ok(ps, max_id)):
-                    problem = "prefill_stats: expected nil or a map of non-negative int counts"
-        if problem is None:
-            append(row)
-        else:
-            rid = row[0] if type(row) is _tuple and row and type(row[0]) is _str else None
-            (bad := bad or []).append((rid, _bad_output(i, problem)))
+                else:
+                    fr = row[5]
+                    sr = row[6]
+                    ps = row[11]
+                    if (
+                        (fr is None or (type(fr) is _int and 0 <= fr <= 4))
+                        and (sr is None or type(sr) is _str or (type(sr) is _int and 0 <= sr <= max_id))
+                        and (ps is None or (type(ps) is _dict and _prefill_stats_ok(ps, max_id)))
+                    ):
+                        if out is not None:
+                            out.append(row)
+                        continue
+        if out is None:
+            out = list(rows[:i])
+        problem = _row_problem(row, max_tokens, max_id)
+        if type(problem) is _tuple:
+            out.append(problem)  # a short row, padded with vLLM's defaults
+            continue
+        rid = row[0] if type(row) is _tuple and row and type(row[0]) is _str else None
+        (bad := bad or []).append((rid, _bad_output(i, problem)))
 
     return EngineCoreOutputs(
         engine_index,
-        tuple(out),
+        rows if out is None else tuple(out),
         stats,
         timestamp,
         utility,
@@ -982,6 +987,33 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
         frames,
         tuple(bad) if bad else (),
     )
+
+
+def _row_problem(row: Any, max_tokens: int, max_id: int) -> Any:
+    """An output row that :func:`decode_outputs`' fast test did not accept: the
+    row padded to :data:`ROW_LEN` if it is only short, else what is wrong (str)."""
+    if type(row) is not tuple or len(row) < 2:
+        return "row: expected an array of >= 2 elements"
+    if type(row[0]) is not str:
+        return "request_id: expected a str"
+    toks = row[1]
+    if type(toks) is not tuple or len(toks) > max_tokens:
+        return f"new_token_ids: expected an array of at most {max_tokens} ints"
+    for t in toks:
+        if type(t) is not int or t < 0 or t > max_id:
+            return f"new_token_ids: {t!r} is not a token id (0..{max_id})"
+    if len(row) < ROW_LEN:
+        row += _ROW_PADS[len(row)]
+    fr = row[O_FINISH_REASON]
+    if fr is not None and (type(fr) is not int or fr < 0 or fr > 4):
+        return f"finish_reason: {fr!r} is not nil or 0..4"
+    sr = row[O_STOP_REASON]
+    if sr is not None and type(sr) is not str and (type(sr) is not int or sr < 0 or sr > max_id):
+        return "stop_reason: expected nil, a token id or a str"
+    ps = row[O_PREFILL_STATS]
+    if ps is not None and (type(ps) is not dict or not _prefill_stats_ok(ps, max_id)):
+        return "prefill_stats: expected nil or a map of non-negative int counts"
+    return row
 
 
 def _prefill_stats_ok(ps: dict, max_count: int) -> bool:
@@ -1204,7 +1236,7 @@ class EngineCoreOutput:
             new_sampling_mask=row[O_NEW_SAMPLING_MASK],
             spec_decode_metrics=row[O_SPEC_DECODE_METRICS],
             prompt_token_id_logprobs=tensor("prompt_token_id_logprobs", row[O_PROMPT_TOKEN_ID_LOGPROBS]),
-            error=typed("error", lambda v: _struct_from_map(OutputError, v), row[O_ERROR]),
+            error=typed("error", lambda v: _struct_from_map(OutputError, v), output_error(row)),
         )
 
 
