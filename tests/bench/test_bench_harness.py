@@ -51,6 +51,9 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
     assert doc["started_at"] <= doc["finished_at"] and doc["duration_s"] > 0
     assert {"cpu", "cpus", "python", "pyzmq", "libzmq"} <= set(doc["machine"])
     assert set(doc["runners"]) == {"raw", "zmqdispatch", "zmqdispatch-group"}
+    # every runner froze its warmed-up heap, as vLLM's API server does (--gc freeze, the default)
+    assert doc["settings"]["gc"] == "freeze"
+    assert {r["gc"] for r in doc["runners"].values()} == {"freeze"}
     assert doc["real_engine"] is None
     names = [c["name"] for c in doc["cells"]]
     assert names == ["idle-rss", "sat-c1", "sat-c4", "slowmix-c6-2ms"]
@@ -74,6 +77,8 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
                 assert _is_number(m[key]), (cell["name"], client, key, m[key])
             assert m["ticks"] > 0 and m["tokens"] == m["ticks"]  # one token per tick
             assert 0 <= m["gc_share_of_cpu"] and len(m["gc_collections"]) == 3
+            assert len(m["gc_ms_by_generation"]) == 3 and m["gc_tracked_objects"] > 0
+            assert m["gc_frozen_objects"] > 0
             assert 0 < m["deliveries_per_tick"] <= 1.0 + 1e-9
             lat = m["latency_ms"]
             assert lat["samples"] > 0 and all(_is_number(lat[p]) for p in ("p50", "p99", "p999"))

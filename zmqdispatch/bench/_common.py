@@ -85,6 +85,30 @@ def protocol_stream() -> TextIO:
     return os.fdopen(fd, "w", buffering=1)
 
 
+#: ``zmqdispatch bench --gc``: what every runner does with the garbage collector
+#: once warmed up (``ZMQD_BENCH_GC`` in its environment).
+GC_POLICIES = ("freeze", "default")
+
+
+def settle_gc() -> str:
+    """Before taking traffic, do what a serving process does with the cyclic GC.
+
+    ``freeze`` (the default): ``gc.collect()`` then ``gc.freeze()``, so the
+    collector no longer walks the startup heap (modules, the event loop, the
+    client). vLLM's own API server does this after startup
+    (``vllm.utils.gc_utils.freeze_gc_heap``, vLLM 0.32), so the vLLM client is
+    measured as it serves, and zmqdispatch as a gateway would run it.
+    ``default``: the collector untouched. Returns the policy applied.
+    """
+    policy = os.environ.get("ZMQD_BENCH_GC", "freeze")
+    if policy not in GC_POLICIES:
+        raise ValueError(f"ZMQD_BENCH_GC={policy!r}: expected one of {GC_POLICIES}")
+    if policy == "freeze":
+        gc.collect()
+        gc.freeze()
+    return policy
+
+
 def emit(stream: TextIO, event: str, **fields: Any) -> None:
     stream.write(json.dumps({"event": event, **fields}) + "\n")
     stream.flush()

