@@ -41,7 +41,7 @@ from typing import Any
 import trio
 
 from .client import EngineClient
-from .errors import LocalProtocolError
+from .errors import DuplicateRequestIdError, LocalProtocolError
 from .protocol.mailbox import Mailbox, OutputDelta
 
 __all__ = ["StreamGroup", "open_stream_group"]
@@ -54,12 +54,13 @@ class _Member:
     the member (the router visits a thousand members per step, none of them in
     cache)."""
 
-    __slots__ = ("request_id", "mailbox", "queued", "group", "hook")
+    __slots__ = ("request_id", "mailbox", "queued", "live", "group", "hook")
 
     def __init__(self, group: StreamGroup, request_id: str, mailbox: Mailbox) -> None:
         self.request_id = request_id
         self.mailbox = mailbox
         self.queued = False
+        self.live = True  # False once aborted or its terminal item was taken
         self.group = group
         self.hook = self._queue
 
@@ -109,10 +110,23 @@ class StreamGroup:
 
         Raises: what :meth:`EngineClient.generate` raises (``RequestRejected``,
         ``RuntimeMismatchError``, ``DuplicateRequestIdError``, ``EngineDeadError``);
-        ``LocalProtocolError`` after the group was closed.
+        ``DuplicateRequestIdError`` also while a request of that id is still in
+        the group (until its terminal item was received); ``LocalProtocolError``
+        after the group was closed.
         """
         if self._closed:
             raise LocalProtocolError("the stream group is closed")
+        runtime = self.client.runtime
+        runtime.check_type(request)
+        rid = runtime.request_id(request)
+        if rid in self._members:
+            # The engine may be done with it, but its last items are not received
+            # yet: a second member under the same id would mix the two.
+            raise DuplicateRequestIdError(
+                f"request_id {rid!r} is still in this stream group (its terminal item is not received yet)",
+                request_id=rid,
+                field="request_id",
+            )
         mailbox, _add = self.client._submit(request)
         member = _Member(self, mailbox.request_id, mailbox)
         self._members[member.request_id] = member
@@ -127,6 +141,7 @@ class StreamGroup:
         ids = list(self._members) if request_ids is None else [r for r in request_ids if r in self._members]
         for rid in ids:
             member = self._members.pop(rid)
+            member.live = False  # if it is queued, the reader skips it
             member.mailbox.waiter = None
         protocol = self.client._protocol
         protocol.abort([rid for rid in ids if protocol.is_live(rid)])
@@ -169,9 +184,9 @@ class StreamGroup:
         while ready:
             member = ready.popleft()
             member.queued = False
-            rid = member.request_id
-            if members.get(rid) is not member:
+            if not member.live:
                 continue  # aborted meanwhile
+            rid = member.request_id
             mb = member.mailbox
             delta = mb.pending
             if delta is not None:  # Mailbox.take(), inlined for the common case
@@ -179,6 +194,7 @@ class StreamGroup:
                 mb.pending_tokens = 0
                 batch.append((rid, delta))
                 if delta.finish_reason is not None:
+                    member.live = False
                     del members[rid]
                     continue
             if mb.finished:
@@ -186,6 +202,7 @@ class StreamGroup:
                     mb.take()  # the stream's error, after the tokens it had
                 except BaseException as exc:  # a typed error ending this request only
                     batch.append((rid, exc))
+                    member.live = False
                     del members[rid]
                     continue
             mb.waiter = member.hook  # re-armed before any await: no lost wake-up

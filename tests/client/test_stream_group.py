@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from zmqdispatch import ClientConfig, connect
-from zmqdispatch.errors import EngineAbortedRequest, EngineDeadError, LocalProtocolError
+from zmqdispatch.errors import DuplicateRequestIdError, EngineAbortedRequest, EngineDeadError, LocalProtocolError
 from zmqdispatch.multiplex import open_stream_group
 
 from ..faults.engines import mock_argv
@@ -130,3 +130,26 @@ async def test_a_cancelled_receive_loses_nothing_and_misuse_is_refused():
             group.generate(make_ts_request("late"))
         with pytest.raises(trio.EndOfChannel):
             await group.receive()
+
+
+async def test_an_id_is_refused_until_its_terminal_item_was_received():
+    # The engine finished "r" (so the connection no longer holds it) but the
+    # reader has not taken its last delta: reusing "r" in the group then would
+    # mix the two requests' items, or lose the first one's end.
+    async with tokenspeed_pair() as (engine, client):
+        async with open_stream_group(client) as group:
+            group.generate(make_ts_request("r", max_new_tokens=2))
+            with trio.fail_after(5):
+                while client.protocol.is_live("r"):
+                    await trio.sleep(0.005)
+            with pytest.raises(DuplicateRequestIdError, match="'r'") as info:
+                group.generate(make_ts_request("r", max_new_tokens=3))
+            assert info.value.field == "request_id"
+            with trio.fail_after(5):
+                tokens, errors, _ = await drain(group)
+            assert not errors and len(tokens["r"]) == 2
+            # once received, the id may be used again
+            group.generate(make_ts_request("r", max_new_tokens=3))
+            with trio.fail_after(5):
+                tokens, errors, _ = await drain(group)
+            assert not errors and len(tokens["r"]) == 3
