@@ -49,10 +49,9 @@ __all__ = ["StreamGroup", "open_stream_group"]
 
 class _Member:
     """One request of a group. ``hook`` (this member's bound ``_queue``, made
-    once) is its mailbox's waiter: a bound method touches two objects per
-    delivery, where a closure per member touched the function, its cells and
-    the member (the router visits a thousand members per step, none of them in
-    cache)."""
+    once) is its mailbox's waiter. A bound method touches two objects per
+    delivery; a closure would touch the function, its cells and the member,
+    and the router visits a thousand members per step, none of them in cache."""
 
     __slots__ = ("request_id", "mailbox", "queued", "live", "group", "hook")
 
