@@ -23,6 +23,7 @@ while a consumer is parked; ``put`` / ``fail`` call it once. No trio import here
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -91,19 +92,7 @@ class OutputDelta:
     num_cached_tokens: int | None = None
     ticks: int = 1
     engine_timestamp: float = 0.0
-
-    _FIELDS = (
-        "request_id",
-        "token_ids",
-        "finish_reason",
-        "stop_reason",
-        "logprobs",
-        "prompt_logprobs",
-        "num_prompt_tokens",
-        "num_cached_tokens",
-        "ticks",
-        "engine_timestamp",
-    )
+    _FIELDS: tuple[str, ...]
 
     def __init__(
         self,
@@ -147,6 +136,8 @@ class OutputDelta:
         return f"OutputDelta({inner})"
 
 
+#: OutputDelta's field names, in constructor order (for replace and repr).
+OutputDelta._FIELDS = tuple(inspect.signature(OutputDelta.__init__).parameters)[1:]
 _new_delta = object.__new__
 
 
