@@ -59,12 +59,20 @@ MAX_TOKEN_ID = 2**32 - 1
 #: Seconds TokenSpeed keeps an ABORT for a request id it does not know (it
 #: arrived after the request finished) and applies it to the next request with
 #: that id, without any output (TokenSpeed 0.1.1 ``request_handler``,
-#: ``tokenspeed_wire.md`` 1.11). Such ids are refused for this long.
+#: ``tokenspeed_wire.md`` 1.11). A request reusing such an id within this time
+#: travels under a fresh engine-side id (``EngineProtocol.submit``).
 TOKENSPEED_ABORT_PARK_SECONDS = 300.0
 
 #: Most such parked-abort ids remembered per TokenSpeed connection (oldest
 #: forgotten first). They only arise when an abort races a request's finish.
 MAX_PARKED_ABORT_IDS = 65_536
+
+#: Most recently aborted engine-side request ids remembered per connection
+#: (oldest forgotten first). Outputs the engine sent before it saw an ABORT are
+#: still on their way, and nothing on the wire marks their end; a request that
+#: reuses such an id is therefore sent under a fresh engine-side id, so those
+#: late outputs can never reach it (``EngineProtocol.submit``).
+MAX_ABORTED_IDS = 65_536
 
 # ---------------------------------------------------------------- connection defaults
 

@@ -10,6 +10,7 @@ import trio.testing
 from zmqdispatch import ClientConfig, connect
 from zmqdispatch.errors import DuplicateRequestIdError, EngineAbortedRequest, EngineDeadError, LocalProtocolError
 from zmqdispatch.multiplex import open_stream_group
+from zmqdispatch.wire import vllm as wire
 
 from ..faults.engines import mock_argv
 from ..helpers import make_request, make_ts_request
@@ -153,3 +154,41 @@ async def test_an_id_is_refused_until_its_terminal_item_was_received():
             with trio.fail_after(5):
                 tokens, errors, _ = await drain(group)
             assert not errors and len(tokens["r"]) == 3
+
+
+@pytest.mark.parametrize("group", [False, True])
+async def test_reusing_an_id_right_after_an_abort_gets_only_its_own_outputs(group: bool):
+    # The fresh-clone review's reproduction, on the vLLM mock (which, like vLLM,
+    # dies on a duplicate live id): abort "X" after its first delta, reuse "X"
+    # at once, many times. The old request's late outputs must never reach the
+    # new one (they did: wrong tokens, an early finish, then a live duplicate
+    # on the engine).
+    with trio.fail_after(60):
+        async with connect(launch=mock_argv("{handshake_address}", "--step-interval-ms", "1"),
+                           config=ClientConfig(handshake_timeout=20)) as client:
+            for i in range(50):
+                if group:
+                    async with open_stream_group(client) as g:
+                        g.generate(make_request("X", max_tokens=2))
+                        await g.receive()
+                        g.abort(["X"])
+                        g.generate(make_request("X", max_tokens=40))
+                        tokens, errors, _ = await drain(g)
+                    got = tokens.get("X", [])
+                    assert not errors, errors
+                else:
+                    async with client.generate(make_request("X", max_tokens=2)) as s:
+                        async for _ in s:
+                            break
+                    async with client.generate(make_request("X", max_tokens=40)) as s:
+                        deltas = [d async for d in s]
+                    got = [t for d in deltas for t in d.token_ids]
+                    assert deltas[-1].finish_reason is wire.FinishReason.LENGTH
+                    assert all(d.request_id == "X" for d in deltas)
+                assert len(got) == 40, (i, len(got))
+            assert client.is_alive and client.protocol.renamed_requests >= 50
+            # the same request under the plain id, on a fresh engine-side id or not,
+            # yields the same tokens (the mock's are a function of the prompt)
+            async with client.generate(make_request("solo", max_tokens=40)) as s:
+                solo = [t async for d in s for t in d.token_ids]
+            assert got == solo

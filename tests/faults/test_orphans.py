@@ -81,11 +81,15 @@ async def test_resume_aborts_what_a_send_timeout_death_left_on_the_engine_before
                 assert msg.kind == wire.RequestType.ABORT and msg.value == tuple(ids)
                 assert set(got_adds) <= set(ids)
                 msg = await received.receive()
-                assert msg.kind == wire.RequestType.ADD and msg.value.request_id == "r0"  # not killed by the ABORT
-                assert client.session.orphan_ids == ("r0",)  # the stale ids were sent: cleared
+                # after the ABORT, and under a fresh engine-side id: neither the
+                # ABORT nor the orphan's late outputs can reach it
+                assert msg.kind == wire.RequestType.ADD and msg.value.request_id == "r0~1"
+                assert msg.value.external_req_id == "r0"
+                assert client.session.orphan_ids == ("r0~1",)  # the stale ids were sent: cleared
                 assert client.protocol.aborts_sent == len(ids)
                 await s.__aenter__()
-                await engine.send_tokens("r0", [1], finish=wire.FinishReason.STOP)
+                await engine.send_tokens("r0", [9])  # a late output of the orphan: dropped
+                await engine.send_tokens("r0~1", [1], finish=wire.FinishReason.STOP)
                 assert [d.token_ids async for d in s] == [[1]]
                 assert client.session.orphan_ids == ()
             nursery.cancel_scope.cancel()

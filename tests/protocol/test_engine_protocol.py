@@ -108,7 +108,52 @@ def test_abort_then_resubmit_of_the_same_id_sends_the_abort_first():
     sent(p)
     p.abort(["r1"])
     p.submit(make_request("r1"))
-    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("r1",)), (wire.RequestType.ADD, "r1")]
+    frames = sent(p)
+    # the resubmission travels under a fresh engine-side id (see the next test)
+    assert kinds(frames) == [(wire.RequestType.ABORT, ("r1",)), (wire.RequestType.ADD, "r1~1")]
+    assert wire.decode_request(frames[1][2:]).external_req_id == "r1"
+
+
+def test_late_outputs_of_an_aborted_request_never_reach_a_reuse_of_its_id():
+    # Found by a fresh-clone review: outputs the engine sent before it saw the
+    # ABORT are still on their way; under the same engine-side id they were
+    # routed to the new request (wrong tokens; its old final output ended the
+    # new stream early, and the next reuse was a live duplicate on the engine).
+    p = EngineProtocol()
+    p.submit(make_request("x"))
+    sent(p)
+    p.abort(["x"])
+    new, _ = p.submit(make_request("x"))
+    assert new.request_id == "x" and new.wire_id == "x~1" and p.wire_id("x") == "x~1"
+    sent(p)
+    unknown = p.unknown_outputs
+    p.frames_received(outputs_frames([out("x", [7], finish=wire.FinishReason.LENGTH)]))  # the old one's
+    assert new.take() is None and p.unknown_outputs == unknown + 1 and p.is_live("x")
+    p.frames_received(outputs_frames([out("x~1", [8])]))
+    d = new.take()
+    assert d.request_id == "x" and d.token_ids == [8]
+    assert p.live_request_ids() == ["x"]
+    # aborting by the caller's id reaches the engine-side id
+    p.abort(["x"])
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("x~1",))] and not p.is_live("x")
+    # the next reuse: "x" is still remembered as aborted, "x~1" too: a third id
+    third, _ = p.submit(make_request("x"))
+    assert third.wire_id == "x~2" and p.renamed_requests == 2
+
+
+def test_an_id_never_sent_is_reused_as_is_and_wire_ids_never_collide():
+    p = EngineProtocol()
+    p.submit(make_request("q"))
+    p.abort(["q"])  # the ADD was still queued: the engine never saw "q"
+    assert p.submit(make_request("q"))[0].wire_id == "q"
+    sent(p)
+    p.abort(["q"])
+    p.submit(make_request("q"))  # -> "q~1"
+    # a caller id equal to a live engine-side id is itself renamed
+    other, _ = p.submit(make_request("q~1"))
+    assert other.wire_id not in ("q", "q~1") and p.is_live("q~1") and p.is_live("q")
+    ids = [w for _, w in kinds(sent(p)) if isinstance(w, str)]
+    assert len(ids) == len(set(ids)) == 2
 
 
 def test_routing_merges_ticks_and_retires_on_finish():

@@ -90,12 +90,12 @@ def test_stale_ids_are_aborted_first_in_one_frame_and_cleared_once_accepted():
     p.abort_stale(["a", "b"])
     assert p.possibly_live_ids() == ["a", "b"]
     p.submit(make_request("new"))
-    p.submit(make_request("a"))  # reuses a stale id: its ADD must follow the ABORT
+    p.submit(make_request("a"))  # reuses a stale id: a fresh engine-side id, after the ABORT
     p.start_utility("is_sleeping")
     frames = sent(p)
-    assert kinds(frames) == [(ABORT, ("a", "b")), (ADD, "new"), (ADD, "a"), (wire.RequestType.UTILITY, None)]
+    assert kinds(frames) == [(ABORT, ("a", "b")), (ADD, "new"), (ADD, "a~1"), (wire.RequestType.UTILITY, None)]
     assert p.aborts_sent == 2
-    assert p.possibly_live_ids() == ["new", "a"]  # only this link's own requests now
+    assert p.possibly_live_ids() == ["new", "a~1"]  # only this link's own requests now (engine-side ids)
 
 
 def test_abort_stale_skips_ids_live_on_this_link_and_does_nothing_after_death():

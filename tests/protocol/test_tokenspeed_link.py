@@ -7,7 +7,6 @@ import pytest
 
 from zmqdispatch import limits
 from zmqdispatch.errors import (
-    DuplicateRequestIdError,
     EngineAbortedRequest,
     EngineDeadError,
     EngineHandshakeError,
@@ -214,7 +213,7 @@ def test_client_abort_retires_locally_since_tokenspeed_sends_no_terminal_frame()
 # ------------------------------------------------------------------ parked aborts
 
 
-def test_abort_that_raced_the_finish_blocks_reuse_of_the_id_for_300_s():
+def test_abort_that_raced_the_finish_sends_a_reuse_of_the_id_under_a_fresh_one():
     clock = Clock()
     p = link(clock=clock)
     p.submit(make_ts_request("a"))
@@ -222,14 +221,25 @@ def test_abort_that_raced_the_finish_blocks_reuse_of_the_id_for_300_s():
     p.abort(["a"])  # the engine had already finished "a": its terminal frame is in flight
     sent(p)
     p.frames_received(ts_batch_frames([("a", [5], "stop", 3, 1)]))
-    with pytest.raises(DuplicateRequestIdError, match="parks such an ABORT"):
-        p.submit(make_ts_request("a"))
+    assert "a" in p._parked
+    # TokenSpeed parks that ABORT and would apply it, silently, to the next "a"
+    mb, _ = p.submit(make_ts_request("a"))
+    assert mb.wire_id == "a~1" and [ts.decode_add(f[2:]).rid for f in sent(p)] == ["a~1"]
+    p.frames_received(ts_batch_frames([("a~1", [6], "length", 3, 1)]))
+    d = mb.take()
+    assert d.request_id == "a" and d.token_ids == [6] and not p.is_live("a")
+
+
+def test_a_parked_abort_renames_reuses_only_for_the_park_window():
+    clock = Clock()
+    p = link(clock=clock)
+    # "b" finished after an ABORT sent by an earlier link (a resumed session's orphan)
+    p.frames_received(ts_batch_frames([("b", [], "stop", 3, 0)]))
     clock.now += limits.TOKENSPEED_ABORT_PARK_SECONDS - 1
-    with pytest.raises(DuplicateRequestIdError):
-        p.submit(make_ts_request("a"))
-    clock.now += 1
-    p.submit(make_ts_request("a"))  # the engine's parked abort has expired
-    assert p.inflight == 1
+    assert p.submit(make_ts_request("b"))[0].wire_id == "b~1"
+    p.abort(["b"])
+    clock.now += 1  # the engine's parked abort has expired
+    assert p.submit(make_ts_request("b"))[0].wire_id == "b"
 
 
 def test_an_abort_that_reached_a_running_request_parks_nothing():
@@ -250,9 +260,8 @@ def test_parked_ids_are_bounded(monkeypatch):
     for i in range(5):
         p.frames_received(ts_batch_frames([(f"x{i}", [], "stop", 3, 0)]))
     assert list(p._parked) == ["x2", "x3", "x4"]
-    p.submit(make_ts_request("x0"))  # forgotten (oldest first)
-    with pytest.raises(DuplicateRequestIdError):
-        p.submit(make_ts_request("x4"))
+    assert p.submit(make_ts_request("x0"))[0].wire_id == "x0"  # forgotten (oldest first)
+    assert p.submit(make_ts_request("x4"))[0].wire_id == "x4~1"
 
 
 # ------------------------------------------------------------------ death
@@ -287,12 +296,13 @@ def test_a_queued_add_aborted_before_sending_never_reaches_the_engine():
     assert add.state is SendState.CANCELLED and sent(p) == []
 
 
-def test_orphans_aborted_on_a_resumed_tokenspeed_link_are_refused_for_the_park_window():
+def test_orphans_aborted_on_a_resumed_tokenspeed_link_are_never_reused_as_is():
     clock = Clock()
     p = link(clock=clock)
     p.abort_stale(["old-1"])
     assert [ts.decode_abort(f[2]) for f in sent(p)] == [("old-1",)]
-    with pytest.raises(DuplicateRequestIdError, match="parks such an ABORT"):
-        p.submit(make_ts_request("old-1"))
+    assert p.submit(make_ts_request("old-1"))[0].wire_id == "old-1~1"
+    p.abort(["old-1"])
     clock.now += limits.TOKENSPEED_ABORT_PARK_SECONDS
-    p.submit(make_ts_request("old-1"))
+    # past the park window, but still remembered as aborted here (late outputs)
+    assert p.submit(make_ts_request("old-1"))[0].wire_id == "old-1~2"

@@ -7,6 +7,14 @@ below are testable in microseconds without sockets:
 
 - **Admission.** :meth:`submit` refuses a live duplicate ``request_id`` (the
   real engine asserts and dies on one) and anything after death.
+- **Engine-side ids.** A request travels under its own ``request_id`` unless
+  the engine may still hold something under that id: outputs of an aborted
+  predecessor still in flight (nothing on the wire marks their end), a
+  TokenSpeed parked ABORT, or another live request's engine-side id. Then it
+  gets a fresh engine-side id ``<request_id>~<n>`` (vLLM: the caller's id in
+  ``external_req_id``, as vLLM's own front end suffixes ids); its stream still
+  reports ``request_id``, and late outputs of the old one are dropped as
+  unknown instead of reaching it.
 - **Routing.** :meth:`frames_received` decodes one output message and routes
   each ``EngineCoreOutput`` to its :class:`~.mailbox.Mailbox` without waiting;
   terminal outputs, ids in ``finished_requests`` and slow consumers retire
@@ -32,8 +40,9 @@ below are testable in microseconds without sockets:
   TokenSpeed specifics absorbed here: an unrequested terminal ``"abort"`` fails
   the stream with :class:`~zmqdispatch.errors.EngineAbortedRequest`; no utility
   calls; an ABORT that reached the engine after the request finished is parked
-  there for 300 s and would silently kill a reuse of the id, so such ids are
-  refused for that long (:data:`zmqdispatch.limits.TOKENSPEED_ABORT_PARK_SECONDS`);
+  there for 300 s and would silently kill a reuse of the id, so a reuse within
+  that time travels under a fresh engine-side id
+  (:data:`zmqdispatch.limits.TOKENSPEED_ABORT_PARK_SECONDS`);
   the latest piggybacked load snapshot is kept in :attr:`EngineProtocol.load`.
 """
 
@@ -162,7 +171,14 @@ class EngineProtocol:
         self.max_decode_errors = max_decode_errors
         self.state = LinkState.READY
         self.death: EngineDeadError | None = None
-        self._requests: dict[str, Mailbox] = {}  # each with its ADD in .add
+        # engine-side id -> mailbox (its ADD in .add, the caller's id in .request_id)
+        self._requests: dict[str, Mailbox] = {}
+        # caller's id -> engine-side id, for live requests sent under a fresh id
+        # (entries of retired ones are dropped when next looked at: _live)
+        self._renamed: dict[str, str] = {}
+        # engine-side ids this link aborted, most recent last (MAX_ABORTED_IDS)
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._wire_seq = itertools.count(1)
         self._outbox: deque[Outgoing] = deque()
         self._pending_aborts: dict[str, None] = {}
         self._utility: dict[int, PendingUtilityCall] = {}
@@ -179,6 +195,7 @@ class EngineProtocol:
         self.aborts_sent = 0
         self.bad_rows = 0
         self.unknown_finish_reasons = 0
+        self.renamed_requests = 0  # requests sent under a fresh engine-side id
         self.last_decode_error: RemoteProtocolError | None = None
         #: TokenSpeed: the newest load snapshot piggybacked on an output batch.
         self.load: ts.LoadSnapshot | None = None
@@ -209,12 +226,31 @@ class EngineProtocol:
         return len(self._utility)
 
     def live_request_ids(self) -> list[str]:
-        """Ids of every live request, in submission order."""
-        return list(self._requests)
+        """Ids (``request_id``) of every live request, in submission order."""
+        return [mb.request_id for mb in self._requests.values()]
 
     def is_live(self, request_id: str) -> bool:
         """True while *request_id* is registered on this link."""
-        return request_id in self._requests
+        return self._live(request_id) is not None
+
+    def wire_id(self, request_id: str) -> str | None:
+        """The id the engine knows live request *request_id* by (usually the
+        same; see "Engine-side ids" in the module doc), or ``None``."""
+        mb = self._live(request_id)
+        return None if mb is None else mb.wire_id
+
+    def _live(self, request_id: str) -> Mailbox | None:
+        """The live mailbox of the caller's *request_id*, or ``None``."""
+        renamed = self._renamed
+        if renamed:
+            wire_id = renamed.get(request_id)
+            if wire_id is not None:
+                mb = self._requests.get(wire_id)
+                if mb is not None and mb.request_id == request_id:
+                    return mb
+                del renamed[request_id]  # that request retired
+        mb = self._requests.get(request_id)
+        return mb if mb is not None and mb.request_id == request_id else None
 
     @property
     def wants_send(self) -> bool:
@@ -242,18 +278,22 @@ class EngineProtocol:
         Returns:
             the request's mailbox and its queued ADD message.
 
+        The request goes out under its own id unless the engine may still hold
+        something under it (module doc, "Engine-side ids"); then under a fresh
+        one, ``Mailbox.wire_id``. Either way the mailbox and its deltas carry
+        the caller's ``request_id``.
+
         Raises:
             EngineDeadError: the engine is dead.
             RuntimeMismatchError: the request is for the other runtime.
-            DuplicateRequestIdError: the id is live on this link (or, on
-                TokenSpeed, the engine holds a parked ABORT for it).
+            DuplicateRequestIdError: the id is live on this link.
             RequestRejected: the request cannot be encoded (e.g. an int beyond 64 bits).
         """
         self.check_alive()
         runtime = self.runtime
         runtime.check_type(request)
         rid = runtime.request_id(request)
-        if rid in self._requests:
+        if self._live(rid) is not None:
             raise DuplicateRequestIdError(
                 f"request_id {rid!r} is already live on engine {self.engine_index}; "
                 + ("vLLM's scheduler would abort the whole engine on a duplicate" if runtime is Runtime.VLLM
@@ -261,16 +301,46 @@ class EngineProtocol:
                 request_id=rid,
                 field="request_id",
             )
-        if self._parked:
-            self._check_parked(rid)
+        wire_id = rid
+        if self._held_by_engine(rid):
+            wire_id = self._fresh_wire_id(rid)
+            request = runtime.with_request_id(request, wire_id)
         frames = runtime.encode_add(request)
-        out = Outgoing([self.identity, _ADD, *frames], rid)
+        out = Outgoing([self.identity, _ADD, *frames], wire_id)
         mb = mailbox if mailbox is not None else Mailbox(rid, self.max_pending_tokens)
         mb.add = out
-        self._requests[rid] = mb
+        mb.wire_id = wire_id
+        if wire_id is not rid:
+            self._renamed[rid] = wire_id
+            self.renamed_requests += 1
+        self._requests[wire_id] = mb
         self._outbox.append(out)
         self._wake_sender()
         return mb, out
+
+    def _held_by_engine(self, wire_id: str) -> bool:
+        """May the engine still hold something under *wire_id*: a live request
+        (another caller id's engine-side id), outputs of an aborted request
+        still in flight, or a TokenSpeed parked ABORT?"""
+        if wire_id in self._requests or wire_id in self._aborted:
+            return True
+        return bool(self._parked) and self._is_parked(wire_id)
+
+    def _fresh_wire_id(self, request_id: str) -> str:
+        while True:
+            wire_id = f"{request_id}~{next(self._wire_seq)}"
+            if not self._held_by_engine(wire_id):
+                return wire_id
+
+    def _queue_abort(self, wire_id: str) -> None:
+        """Put *wire_id* in the next ABORT frame and remember it as aborted
+        (its late outputs may still come: a reuse gets a fresh id)."""
+        self._pending_aborts[wire_id] = None
+        aborted = self._aborted
+        aborted.pop(wire_id, None)
+        aborted[wire_id] = None
+        if len(aborted) > limits.MAX_ABORTED_IDS:
+            aborted.popitem(last=False)
 
     def abort(self, request_ids: Iterable[str], error: BaseException | None = None) -> None:
         """Retire live requests and make sure the engine stops them.
@@ -283,21 +353,23 @@ class EngineProtocol:
         """
         woke = False
         for rid in request_ids:
-            entry = self._requests.pop(rid, None)
-            if entry is None:
+            mb = self._live(rid)
+            if mb is None:
                 continue
-            entry.fail(
+            del self._requests[mb.wire_id]
+            mb.fail(
                 error if error is not None else RequestStreamClosed(f"request {rid!r} was aborted", request_id=rid)
             )
-            if entry.add.state is SendState.QUEUED:
-                entry.add._settle(SendState.CANCELLED)  # never reaches the engine
+            if mb.add.state is SendState.QUEUED:
+                mb.add._settle(SendState.CANCELLED)  # never reaches the engine
             elif self.state is LinkState.READY:
-                self._pending_aborts[rid] = None
+                self._queue_abort(mb.wire_id)
                 woke = True
         if woke:
             self._wake_sender()
 
-    def _check_parked(self, rid: str) -> None:
+    def _is_parked(self, wire_id: str) -> bool:
+        """Does TokenSpeed hold a parked ABORT for *wire_id* (expired ones dropped)?"""
         now = self._clock()
         parked = self._parked
         while parked:
@@ -305,15 +377,7 @@ class EngineProtocol:
             if until > now:
                 break
             del parked[oldest]
-        until = parked.get(rid)
-        if until is not None:
-            raise DuplicateRequestIdError(
-                f"request_id {rid!r} was aborted after the engine had finished it; TokenSpeed parks such an "
-                f"ABORT and applies it to the next request with this id, silently, for "
-                f"{limits.TOKENSPEED_ABORT_PARK_SECONDS:g} s ({until - now:.0f} s left): use a new id",
-                request_id=rid,
-                field="request_id",
-            )
+        return wire_id in parked
 
     def _note_parked(self, rid: str) -> None:
         parked = self._parked
@@ -328,7 +392,7 @@ class EngineProtocol:
         Unlike :meth:`abort` by id, a stream that outlived its request can
         never abort a newer request that reuses the id.
         """
-        if self._requests.get(mailbox.request_id) is mailbox:
+        if self._requests.get(mailbox.wire_id) is mailbox:
             self.abort((mailbox.request_id,))
 
     def _wake_sender(self) -> None:
@@ -397,20 +461,20 @@ class EngineProtocol:
     def abort_stale(self, request_ids: Iterable[str]) -> None:
         """Queue an ABORT for ids a previous link left possibly running on this
         engine (a resumed session's ``orphan_ids``). Like every pending ABORT it
-        goes out before any ADD or utility call queued later, so a new request
-        reusing one of the ids is not killed by it (on TokenSpeed, which parks an
-        ABORT for an id it no longer runs, such ids are refused for
-        ``TOKENSPEED_ABORT_PARK_SECONDS`` instead). Ids live on this link are
-        skipped. At most ``limits.MAX_ORPHAN_IDS`` (the most recent) are kept."""
+        goes out before any ADD or utility call queued later, and a new request
+        reusing one of the ids travels under a fresh engine-side id, so neither
+        the ABORT (which TokenSpeed parks for an id it no longer runs) nor late
+        outputs can touch it. Ids live on this link are skipped. At most
+        ``limits.MAX_ORPHAN_IDS`` (the most recent) are kept."""
         if self.state is not LinkState.READY:
             return
         stale = [rid for rid in request_ids if rid not in self._requests]
         tokenspeed = self.runtime is Runtime.TOKENSPEED
         for rid in stale[-limits.MAX_ORPHAN_IDS:]:
-            self._pending_aborts[rid] = None
+            self._queue_abort(rid)
             if tokenspeed:
                 # If the request already finished there, TokenSpeed parks this
-                # ABORT and would silently kill a reuse of the id: refuse reuse.
+                # ABORT and would silently kill a request sent under this id.
                 self._note_parked(rid)
         if stale:
             self._wake_sender()
@@ -430,8 +494,8 @@ class EngineProtocol:
             if entry.add.state is SendState.QUEUED:
                 continue
             del self._requests[rid]
-            entry.fail(RemoteProtocolError(f"request {rid!r}: {message}"))
-            self._pending_aborts[rid] = None
+            entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: {message}"))
+            self._queue_abort(rid)
             woke = True
         calls = self._utility
         self._utility = {}
@@ -560,7 +624,7 @@ class EngineProtocol:
                     entry.finish(wire.FinishReason.ABORT)
         if to_abort:
             for rid in to_abort:
-                self._pending_aborts[rid] = None
+                self._queue_abort(rid)
             self._wake_sender()
         uo = msg.utility_output
         if uo is not None:
@@ -625,12 +689,12 @@ class EngineProtocol:
                         if done == 0
                         else f"aborted the request after {done} tokens"
                     )
-                    mb.fail(EngineAbortedRequest(f"request {rid!r}: the {self.runtime.engine_name} {what}",
-                                                 request_id=rid, tokens_before_abort=done))
+                    mb.fail(EngineAbortedRequest(f"request {mb.request_id!r}: the {self.runtime.engine_name} {what}",
+                                                 request_id=mb.request_id, tokens_before_abort=done))
                 else:
                     mb.fail(EngineRequestError(
-                        f"request {rid!r}: engine finished the request with an error (see engine logs)",
-                        request_id=rid))
+                        f"request {mb.request_id!r}: engine finished the request with an error (see engine logs)",
+                        request_id=mb.request_id))
                 del requests[rid]
             elif status != PUT_MORE:
                 del requests[rid]
@@ -638,7 +702,7 @@ class EngineProtocol:
                     (to_abort := to_abort or []).append(rid)
         if to_abort:
             for rid in to_abort:
-                self._pending_aborts[rid] = None
+                self._queue_abort(rid)
             self._wake_sender()
 
     def _fail_requests(self, request_ids: list[str], exc: RemoteProtocolError) -> None:
@@ -649,9 +713,9 @@ class EngineProtocol:
             entry = self._requests.pop(rid, None)
             if entry is None:
                 continue
-            entry.fail(RemoteProtocolError(f"request {rid!r}: undecodable engine output: {exc}"))
+            entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: undecodable engine output: {exc}"))
             if self.state is LinkState.READY and entry.add.state is not SendState.QUEUED:
-                self._pending_aborts[rid] = None
+                self._queue_abort(rid)
                 woke = True
         if woke:
             self._wake_sender()

@@ -166,6 +166,7 @@ class Mailbox:
         "finished",
         "waiter",
         "add",
+        "wire_id",
     )
 
     def __init__(self, request_id: str, max_pending_tokens: int) -> None:
@@ -179,6 +180,9 @@ class Mailbox:
         self.waiter: Callable[[], None] | None = None
         #: the request's ADD message (``EngineProtocol``'s ``Outgoing``), set on submit
         self.add: Any = None
+        #: the id the engine knows the request by: ``request_id`` unless
+        #: ``EngineProtocol.submit`` had to give it a fresh one
+        self.wire_id = request_id
 
     def __repr__(self) -> str:
         return (

@@ -29,6 +29,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import attrs
+
 from ..errors import EngineHandshakeError, LocalProtocolError, RequestRejected, RuntimeMismatchError
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
@@ -97,6 +99,16 @@ class Runtime(enum.Enum):
     def request_id(self, request: Any) -> str:
         """The request's id (``request_id`` on vLLM, ``rid`` on TokenSpeed)."""
         return request.request_id if self is Runtime.VLLM else request.rid
+
+    def with_request_id(self, request: Any, wire_id: str) -> Any:
+        """*request* under the engine-side id *wire_id* (see
+        ``EngineProtocol.submit``). vLLM: ``request_id`` replaced and the
+        caller's id kept in ``external_req_id`` (as vLLM's own front end does
+        when it suffixes ids), unless one was set; TokenSpeed: ``rid`` replaced."""
+        if self is Runtime.VLLM:
+            external = request.external_req_id if request.external_req_id is not None else request.request_id
+            return attrs.evolve(request, request_id=wire_id, external_req_id=external)
+        return attrs.evolve(request, rid=wire_id)
 
     def check_type(self, request: Any) -> None:
         """Refuse a request built for the other runtime.
