@@ -147,11 +147,15 @@ async def test_abort_midstream_then_the_engine_serves_the_next_request(real_engi
                 second = await s.receive()
                 assert first.token_ids and second.token_ids
             assert client.protocol.inflight == 0
-            # The engine accepted the ABORT (its id is free again, no duplicate-id
-            # death) and serves the next request with the right tokens.
-            async with client.generate(make_request("long-1", prompt=[1, 2, 3], max_tokens=2)) as s:
+            # The engine accepted the ABORT (no duplicate-id death) and serves the
+            # next request with the right tokens. Reusing the id at once sends it
+            # under a fresh engine-side id (with external_req_id), so no late
+            # output of the aborted one can reach it.
+            async with client.generate(case_request("long-1", "greedy8")) as s:
+                assert client.protocol.wire_id("long-1") == "long-1~1"
                 toks, last = await collect(s)
-            assert len(toks) == 2 and last.finish_reason is wire.FinishReason.LENGTH
+            assert toks == reference["greedy8"][0]["token_ids"] and last.request_id == "long-1"
+            assert client.protocol.renamed_requests == 1
             async with client.generate(case_request("after-abort", "greedy8")) as s:
                 toks, _ = await collect(s)
             assert toks == reference["greedy8"][0]["token_ids"]
