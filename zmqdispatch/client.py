@@ -173,13 +173,16 @@ class RequestStream:
             async for delta in stream:       # OutputDelta, merged if you lag
                 ...
 
-    Entering waits until the ADD is accepted by the socket. Iteration yields
+    Nothing is sent before the stream is entered: entering registers the
+    request, queues its ADD and waits until the socket accepted it (a stream
+    that is never entered costs nothing on the engine). Iteration yields
     :class:`OutputDelta` objects and stops after the one whose
     ``finish_reason`` is set. Leaving the block before that (``break``, an
     exception, a cancellation) aborts the request on the engine: the ABORT is
     queued synchronously, batched with others, and sent by the input pump.
 
     Raises (from ``__aenter__`` or iteration):
+        DuplicateRequestIdError: (entering) the ``request_id`` is live.
         EngineDeadError: the engine died (every open stream gets one).
         EngineRequestError: the engine finished the request with an error.
         SlowConsumerError: the consumer fell behind ``max_pending_tokens``.
@@ -190,15 +193,15 @@ class RequestStream:
     """
 
     __slots__ = (
-        "_client", "request_id", "_mailbox", "_add", "_eof", "_closed", "_entered", "_receiving", "_task",
+        "_client", "request_id", "_request", "_mailbox", "_eof", "_closed", "_entered", "_receiving", "_task",
         "_waker", "_aborter",
     )
 
-    def __init__(self, client: EngineClient, request_id: str, mailbox: Mailbox, add: Outgoing) -> None:
+    def __init__(self, client: EngineClient, request_id: str, request: Any) -> None:
         self._client = client
         self.request_id = request_id
-        self._mailbox = mailbox
-        self._add = add
+        self._request = request  # validated; submitted by __aenter__
+        self._mailbox: Mailbox | None = None
         self._eof = False  # the final delta was handed to the consumer
         self._closed = False  # aborted / exited before the final delta
         self._entered = False
@@ -216,12 +219,10 @@ class RequestStream:
         if self._entered:
             raise LocalProtocolError(f"request {self.request_id!r}: a stream can be entered once")
         self._entered = True
-        add = self._add
-        if trio.current_effective_deadline() == -math.inf:
-            # Entered from an already-cancelled scope: withdraw the ADD before
-            # the input pump can run, so it never reaches the engine.
-            self.abort()
-            await trio.lowlevel.checkpoint()
+        if self._mailbox is None:
+            await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sends nothing
+            self._queue()  # raises DuplicateRequestIdError / EngineDeadError: nothing to undo
+        add = self._mailbox.add
         try:
             while add.state is SendState.QUEUED or add.state is SendState.SENDING:
                 await _park(add)
@@ -242,6 +243,15 @@ class RequestStream:
             raise
         return self
 
+    def _queue(self) -> None:
+        """Register the request and queue its ADD now (``__aenter__`` does it;
+        fan-out calls it for every sample first, so their ADDs go out in order
+        and together). Idempotent."""
+        if self._mailbox is None and not self._closed:
+            self._mailbox, _add = self._client._protocol.submit(self._request)
+            self._request = None
+            self._client._note_submit()
+
     async def __aexit__(self, *exc: object) -> None:
         self.abort()
 
@@ -251,7 +261,8 @@ class RequestStream:
         :class:`RequestStreamClosed`."""
         if not self._eof and not self._closed:
             self._closed = True
-            self._client._protocol.abort_mailbox(self._mailbox)
+            if self._mailbox is not None:
+                self._client._protocol.abort_mailbox(self._mailbox)
 
     async def aclose(self) -> None:
         """Async alias of :meth:`abort` (a checkpoint)."""
@@ -469,25 +480,35 @@ class EngineClient:
                 ``wire.tokenspeed.TokenizedGenerateReqInput`` for TokenSpeed
                 (see :attr:`runtime`; :mod:`zmqdispatch.translate` builds both).
 
-        Synchronous: the ADD is queued at once; ``__aenter__`` waits until the
-        socket accepted it.
+        Synchronous: validates now; entering the stream (``async with``)
+        queues the ADD and waits until the socket accepted it, so a stream
+        that is never entered sends nothing.
 
         Raises:
             RuntimeMismatchError: the request is for the other runtime.
             RequestRejected: the request fails validation (nothing is sent).
-            DuplicateRequestIdError: the ``request_id`` is live.
+            DuplicateRequestIdError: the ``request_id`` is live (checked again
+                on entering).
             EngineDeadError: the engine is dead or the client closed.
         """
-        mailbox, add = self._submit(request)
-        return RequestStream(self, mailbox.request_id, mailbox, add)
-
-    def _submit(self, request: Any) -> tuple[Mailbox, Outgoing]:
-        """Validate and queue *request*; its mailbox and ADD (see :meth:`generate`)."""
         self.check_request(request)
         p = self._protocol
-        if p.inflight == 0:
+        p.check_alive()
+        rid = self.runtime.request_id(request)
+        p.check_request_id(rid)
+        return RequestStream(self, rid, request)
+
+    def _submit(self, request: Any) -> tuple[Mailbox, Outgoing]:
+        """Validate and queue *request* now; its mailbox and ADD (StreamGroup, fan-out)."""
+        self.check_request(request)
+        mailbox_add = self._protocol.submit(request)
+        self._note_submit()
+        return mailbox_add
+
+    def _note_submit(self) -> None:
+        # The silence watchdog measures from the first request in flight.
+        if self._protocol.inflight == 1:
             self._last_activity = trio.current_time()
-        return p.submit(request)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""

@@ -184,7 +184,9 @@ async def generate_parallel(
     streams: list[RequestStream] = []
     try:
         for r in requests:
-            streams.append(client.generate(r))
+            stream = client.generate(r)
+            stream._queue()  # every sample's ADD now, in order (entering would queue them as tasks start)
+            streams.append(stream)
     except BaseException:
         client.abort([s.request_id for s in streams])
         raise

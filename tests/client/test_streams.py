@@ -378,3 +378,23 @@ async def test_gc_is_paused_only_while_a_batch_is_routed(
     finally:
         (gc.enable if was else gc.disable)()
     assert seen and all(s is enabled_while_routing for s in seen)
+
+
+async def test_a_stream_never_entered_sends_nothing_and_holds_no_id():
+    # Found by a fresh-clone review: generate() queued the ADD at once, so code
+    # that raised (or was cancelled) before `async with stream` left the request
+    # running on the engine with nobody to abort it.
+    async with fake_pair() as (engine, client):
+        s = client.generate(make_request("r1"))
+        assert not client.protocol.is_live("r1") and not client.protocol.wants_send
+        del s
+        # the id is free, and the first message the engine gets is this ADD
+        async with client.generate(make_request("r1")) as stream:
+            assert (await engine.receive_add()).request_id == "r1"
+            await engine.send_tokens("r1", [5], finish=wire.FinishReason.STOP)
+            assert [d.token_ids async for d in stream] == [[5]]
+        # a duplicate is still refused at generate() while the id is live
+        async with client.generate(make_request("r2")):
+            await engine.receive_add()
+            with pytest.raises(DuplicateRequestIdError):
+                client.generate(make_request("r2"))

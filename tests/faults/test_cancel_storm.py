@@ -177,6 +177,7 @@ async def test_a_cancellation_at_the_end_of_stream_entry_aborts_the_request():
     async with fake_pair() as (engine, client):
         with trio.fail_after(10):
             s = client.generate(make_request("r1"))
+            s._queue()  # queue the ADD before entering (as fan-out does)
             await engine.receive_add()  # the ADD was sent: __aenter__ will not park
             body = False
             with trio.move_on_after(1e-6) as scope:  # expires at __aenter__'s last checkpoint

@@ -293,14 +293,7 @@ class EngineProtocol:
         runtime = self.runtime
         runtime.check_type(request)
         rid = runtime.request_id(request)
-        if self._live(rid) is not None:
-            raise DuplicateRequestIdError(
-                f"request_id {rid!r} is already live on engine {self.engine_index}; "
-                + ("vLLM's scheduler would abort the whole engine on a duplicate" if runtime is Runtime.VLLM
-                   else "TokenSpeed does not check ids: both streams would mix"),
-                request_id=rid,
-                field="request_id",
-            )
+        self.check_request_id(rid)
         wire_id = rid
         if self._held_by_engine(rid):
             wire_id = self._fresh_wire_id(rid)
@@ -317,6 +310,21 @@ class EngineProtocol:
         self._outbox.append(out)
         self._wake_sender()
         return mb, out
+
+    def check_request_id(self, request_id: str) -> None:
+        """Refuse an id that is live on this link.
+
+        Raises:
+            DuplicateRequestIdError: it is (the engine would die, or mix streams).
+        """
+        if self._live(request_id) is not None:
+            raise DuplicateRequestIdError(
+                f"request_id {request_id!r} is already live on engine {self.engine_index}; "
+                + ("vLLM's scheduler would abort the whole engine on a duplicate" if self.runtime is Runtime.VLLM
+                   else "TokenSpeed does not check ids: both streams would mix"),
+                request_id=request_id,
+                field="request_id",
+            )
 
     def _held_by_engine(self, wire_id: str) -> bool:
         """May the engine still hold something under *wire_id*: a live request
