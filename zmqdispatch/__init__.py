@@ -3,7 +3,7 @@
 Public API (vLLM v1 EngineCore wire, vLLM 0.32 / 0.33)::
 
     async with zmqdispatch.connect(handshake_address, launch=...) as client:
-        request = translate.to_engine_core_request(proto_request, max_model_len=client.max_model_len)
+        request = translate.vllm.to_engine_core_request(proto_request, max_model_len=client.max_model_len)
         async with client.generate(request) as stream:
             async for delta in stream:
                 ...

@@ -23,6 +23,14 @@ class _Bad(Exception):
     """A value failed a field check; the message is completed with the field path."""
 
 
+
+def _describe(exc: Exception) -> str:
+    """``Type: message``; msgpack's FormatError and StackError often carry no message."""
+    detail = str(exc) or {"FormatError": "a reserved or invalid type byte", "StackError": "nested too deep"}.get(
+        type(exc).__name__, "no detail"
+    )
+    return f"{type(exc).__name__}: {detail}"
+
 def _tname(v: Any) -> str:
     return type(v).__name__
 
@@ -47,7 +55,7 @@ def _unpack(payload: Any, what: str, *, use_list: bool = True) -> Any:
     except RemoteProtocolError:
         raise
     except Exception as exc:  # msgpack raises ValueError/TypeError/StackError/...: all "undecodable"
-        raise RemoteProtocolError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+        raise RemoteProtocolError(f"{what}: not valid msgpack ({_describe(exc)})") from None
 
 
 def _k_any(v: Any) -> Any:
@@ -152,4 +160,4 @@ def _unpack_output_message(frames: Any, what: str) -> Any:
     except RemoteProtocolError:
         raise
     except Exception as exc:  # any msgpack failure means "not an output message"
-        raise RemoteProtocolError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+        raise RemoteProtocolError(f"{what}: not valid msgpack ({_describe(exc)})") from None
