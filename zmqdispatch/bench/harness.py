@@ -238,6 +238,7 @@ class BenchSettings:
         self.real_rounds: int = args.real_rounds
         self.real_sequences: int = args.real_sequences
         self.real_max_tokens: int = args.real_max_tokens
+        self.real_repeats: int = args.real_repeats
         self.progress: bool = not args.no_progress
         self.cells = default_cells(
             concurrency=args.concurrency,
@@ -429,14 +430,16 @@ def _run_real(settings: BenchSettings, model_dir: str | None, logs: Path, progre
 
     One engine at a time (two CPU engines side by side would share the cores
     and their OpenMP threads): every round starts a fresh engine per client,
-    warms it up (one short generation), measures one generation, and stops
-    it; clients alternate within the round.
+    warms it up (one short generation), measures ``real_repeats`` generations
+    back to back (one alone lasts well under a second, where engine start-up
+    effects swing it by 2x), and stops it; the client that goes first
+    alternates from round to round.
     """
     cmd = {"op": "real", "sequences": settings.real_sequences, "max_tokens": settings.real_max_tokens,
-           "prompt_len": 5}
+           "prompt_len": 5, "repeats": settings.real_repeats}
     rounds: dict[str, list[dict[str, Any]]] = {"zmqdispatch": [], "vllm": []}
     for rnd in range(settings.real_rounds):
-        for client in rounds:
+        for client in (list(rounds) if rnd % 2 == 0 else list(reversed(rounds))):
             progress.describe(f"real engine round {rnd + 1}/{settings.real_rounds} {client}: starting an engine")
             runner = Runner(client, _runner_argv(client, settings, model_dir, real=True),
                             logs / f"real-round{rnd + 1}-{client}.log", env=settings.runner_env())
@@ -454,6 +457,7 @@ def _run_real(settings: BenchSettings, model_dir: str | None, logs: Path, progre
     return {
         "sequences": settings.real_sequences,
         "max_tokens": settings.real_max_tokens,
+        "repeats": settings.real_repeats,
         "results": {client: {"median": summarize(r), "rounds": r} for client, r in rounds.items()},
     }
 
@@ -602,6 +606,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real-rounds", type=int, default=3)
     p.add_argument("--real-sequences", type=int, default=8)
     p.add_argument("--real-max-tokens", type=int, default=240, help="per sequence (the tiny model: 256 positions)")
+    p.add_argument("--real-repeats", type=int, default=5,
+                   help="generations measured back to back per round (each: --real-sequences at once)")
 
 
 def main(args: argparse.Namespace) -> int:

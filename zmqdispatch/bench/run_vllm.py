@@ -269,13 +269,14 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
         counts = [0] * n
         cell_id = cmd.get("round", 0)
 
-        async def one(i: int) -> None:
+        async def one(rep: int, i: int) -> None:
             prompt = make_prompt(common.prompt_tokens(cmd["prompt_len"], i))
-            async for o in llm.generate(prompt, sp, request_id=f"real{cell_id}-{i}"):
+            async for o in llm.generate(prompt, sp, request_id=f"real{cell_id}-{rep}-{i}"):
                 counts[i] += len(o.outputs[0].token_ids)
 
         cpu0, t0 = time.process_time(), time.monotonic()
-        await asyncio.gather(*(one(i) for i in range(n)))
+        for rep in range(cmd.get("repeats", 1)):
+            await asyncio.gather(*(one(rep, i) for i in range(n)))
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
         return {"client": "vllm", "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
                 "client_cpu_s": cpu}

@@ -235,16 +235,18 @@ class Runner:
         counts = [0] * n
         client = self.client
 
-        async def one(i: int) -> None:
-            req = _request(f"real{cmd.get('round', 0)}-{i}", common.prompt_tokens(cmd["prompt_len"], i), max_tokens)
+        async def one(rep: int, i: int) -> None:
+            req = _request(f"real{cmd.get('round', 0)}-{rep}-{i}", common.prompt_tokens(cmd["prompt_len"], i),
+                           max_tokens)
             async with client.generate(req) as stream:
                 async for d in stream:
                     counts[i] += len(d.token_ids)
 
         cpu0, t0 = time.process_time(), time.monotonic()
-        async with trio.open_nursery() as nursery:
-            for i in range(n):
-                nursery.start_soon(one, i)
+        for rep in range(cmd.get("repeats", 1)):
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, rep, i)
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
         return {"client": "zmqdispatch", "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
                 "client_cpu_s": cpu}
