@@ -219,6 +219,11 @@ class RequestStream:
         if self._entered:
             raise LocalProtocolError(f"request {self.request_id!r}: a stream can be entered once")
         self._entered = True
+        if self._closed:
+            raise RequestStreamClosed(
+                f"request {self.request_id!r}: the stream was closed before it was entered (nothing was sent)",
+                request_id=self.request_id,
+            )
         if self._mailbox is None:
             await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sends nothing
             self._queue()  # raises DuplicateRequestIdError / EngineDeadError: nothing to undo

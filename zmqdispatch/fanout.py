@@ -76,14 +76,17 @@ class ParallelStream:
         rid = self._live.pop(index, None)
         self._retired.add(index)
         if rid is not None:
-            self._client.abort([rid])
+            # By stream, not by id: if this sample already finished on the
+            # engine, its id may belong to someone else's request by now.
+            self._streams[index].abort()
         self._scopes[index].cancel()
 
     def _abort_live(self) -> None:
         """One batched ABORT for every live child, then cancel them all."""
         if self._live:
             self._retired.update(self._live)
-            self._client.abort(list(self._live.values()))
+            for index in self._live:  # by stream (see close_child); one ABORT frame still
+                self._streams[index].abort()
             self._live.clear()
         for scope in self._scopes:
             scope.cancel()
@@ -188,7 +191,8 @@ async def generate_parallel(
             stream._queue()  # every sample's ADD now, in order (entering would queue them as tasks start)
             streams.append(stream)
     except BaseException:
-        client.abort([s.request_id for s in streams])
+        for s in streams:
+            s.abort()
         raise
     merged = ParallelStream(client, streams)
     try:

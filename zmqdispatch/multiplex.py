@@ -138,12 +138,15 @@ class StreamGroup:
         """Abort these requests (default: every live one) in one batched ABORT.
         Synchronous, idempotent, never raises; they deliver nothing more."""
         ids = list(self._members) if request_ids is None else [r for r in request_ids if r in self._members]
+        protocol = self.client._protocol
         for rid in ids:
             member = self._members.pop(rid)
             member.live = False  # if it is queued, the reader skips it
             member.mailbox.waiter = None
-        protocol = self.client._protocol
-        protocol.abort([rid for rid in ids if protocol.is_live(rid)])
+            # By mailbox, not by id: a member that already finished on the
+            # engine may share its id with a newer request of another caller.
+            # Pending aborts are batched: still one ABORT frame.
+            protocol.abort_mailbox(member.mailbox)
 
     async def receive(self) -> list[tuple[str, OutputDelta | BaseException]]:
         """The next batch: ``(request_id, OutputDelta)`` for every request with

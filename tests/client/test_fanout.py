@@ -286,3 +286,37 @@ async def test_an_outer_cancellation_surfaces_as_a_bare_cancelled():
                     caught.append(True)
                     raise
             assert caught == [True] and scope.cancelled_caught
+
+
+async def test_closing_a_sample_that_finished_unread_never_aborts_a_newer_request_with_its_id():
+    # Second fresh-clone review: sample p-0 finished on the engine, its last delta
+    # not read yet; another caller started its own "p-0". close_child (and leaving
+    # the parent) aborted by id and killed that request.
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            async with generate_parallel(client, children(2)) as ps:
+                for _ in range(2):
+                    await engine.receive_add()
+                # The caller reads nothing: sample 0's task fills the merged
+                # channel (2 slots) and blocks on a third send ...
+                def forwarded() -> int:
+                    st = ps._send.statistics()
+                    return st.current_buffer_used + st.tasks_waiting_send
+
+                for t in (1, 2, 3):
+                    await engine.send_outputs([out("p-0", [t])])
+                    while forwarded() < t:  # one delivery per output (no merging)
+                        await trio.sleep(0.005)
+                # ... so its final output stays unread, though the engine is done with p-0
+                await engine.send_outputs([out("p-0", [5], wire.FinishReason.LENGTH)])
+                while client.protocol.is_live("p-0"):
+                    await trio.sleep(0.005)
+                assert ps.live_indices == [0, 1]
+                async with client.generate(make_request("p-0")) as other:
+                    assert (await engine.receive_add()).request_id == "p-0"
+                    ps.close_child(0)
+                    assert client.protocol.is_live("p-0")
+                    await engine.send_tokens("p-0", [7], wire.FinishReason.STOP)
+                    assert [d.token_ids async for d in other] == [[7]]
+            # leaving the parent aborted only the live sample p-1
+            assert await engine.receive_abort() == ("p-1",)

@@ -192,3 +192,21 @@ async def test_reusing_an_id_right_after_an_abort_gets_only_its_own_outputs(grou
             async with client.generate(make_request("solo", max_tokens=40)) as s:
                 solo = [t async for d in s for t in d.token_ids]
             assert got == solo
+
+
+async def test_group_abort_never_touches_another_callers_request_with_the_same_id():
+    # Second fresh-clone review: "x" finished on the engine, unread in the group;
+    # another caller then started its own "x". Aborting the group's "x" (or
+    # leaving the group) aborted by id and killed the other caller's request.
+    async with tokenspeed_pair() as (engine, client):
+        async with open_stream_group(client) as group:
+            group.generate(make_ts_request("x", max_new_tokens=1))
+            with trio.fail_after(5):
+                while client.protocol.is_live("x"):
+                    await trio.sleep(0.005)
+            async with client.generate(make_ts_request("x", max_new_tokens=5)) as other:
+                group.abort(["x"])
+                assert client.protocol.is_live("x")
+                with trio.fail_after(5):
+                    got = [t async for d in other for t in d.token_ids]
+            assert len(got) == 5

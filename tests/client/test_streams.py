@@ -17,7 +17,9 @@ from zmqdispatch import (
     ContextLengthError,
     DuplicateRequestIdError,
     EngineRequestError,
+    LocalProtocolError,
     RequestRejected,
+    RequestStreamClosed,
     UtilityCallError,
     UtilityCallTimeout,
 )
@@ -398,3 +400,19 @@ async def test_a_stream_never_entered_sends_nothing_and_holds_no_id():
             await engine.receive_add()
             with pytest.raises(DuplicateRequestIdError):
                 client.generate(make_request("r2"))
+
+
+async def test_entering_a_stream_closed_before_entry_is_a_typed_error():
+    async with fake_pair() as (engine, client):
+        s = client.generate(make_request("r1"))
+        s.abort()
+        with pytest.raises(RequestStreamClosed, match="before it was entered"):
+            async with s:
+                pass  # pragma: no cover
+        s = client.generate(make_request("r1"))
+        with pytest.raises(LocalProtocolError):
+            await s.receive()  # not entered: refused, and the stream is closed
+        with pytest.raises(RequestStreamClosed):
+            async with s:
+                pass  # pragma: no cover
+        assert not client.protocol.is_live("r1") and not client.protocol.wants_send
