@@ -39,6 +39,15 @@ async def drain(group) -> tuple[dict[str, list], dict[str, BaseException], int]:
     return tokens, errors, batches
 
 
+async def finished_unread(client, group, rid: str, tokens: int) -> None:
+    """Add *rid* to *group* and wait until the engine finished it (the connection
+    no longer holds it) while the group's reader has not taken its items."""
+    group.generate(make_ts_request(rid, max_new_tokens=tokens))
+    with trio.fail_after(5):
+        while client.protocol.is_live(rid):
+            await trio.sleep(0.005)
+
+
 async def test_one_reader_gets_every_stream_in_batches():
     async with tokenspeed_pair() as (engine, client):
         async with open_stream_group(client) as group:
@@ -139,10 +148,7 @@ async def test_an_id_is_refused_until_its_terminal_item_was_received():
     # mix the two requests' items, or lose the first one's end.
     async with tokenspeed_pair() as (engine, client):
         async with open_stream_group(client) as group:
-            group.generate(make_ts_request("r", max_new_tokens=2))
-            with trio.fail_after(5):
-                while client.protocol.is_live("r"):
-                    await trio.sleep(0.005)
+            await finished_unread(client, group, "r", 2)
             with pytest.raises(DuplicateRequestIdError, match="'r'") as info:
                 group.generate(make_ts_request("r", max_new_tokens=3))
             assert info.value.field == "request_id"
@@ -200,10 +206,7 @@ async def test_group_abort_never_touches_another_callers_request_with_the_same_i
     # leaving the group) aborted by id and killed the other caller's request.
     async with tokenspeed_pair() as (engine, client):
         async with open_stream_group(client) as group:
-            group.generate(make_ts_request("x", max_new_tokens=1))
-            with trio.fail_after(5):
-                while client.protocol.is_live("x"):
-                    await trio.sleep(0.005)
+            await finished_unread(client, group, "x", 1)
             async with client.generate(make_ts_request("x", max_new_tokens=5)) as other:
                 group.abort(["x"])
                 assert client.protocol.is_live("x")
