@@ -96,23 +96,30 @@ class Runner:
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read)
-                await trio.to_thread.run_sync(self.ctl.wait_adds, adds + c)
-                await trio.to_thread.run_sync(self.ctl.run, cell)
-                with trio.fail_after(120):
-                    while tally.first_seen < c:
-                        await trio.sleep(0.02)
-                await trio.sleep(cell["warmup_s"])
-                await self._ctl("mark")
-                with tally.gc:
-                    cpu0, t0 = time.process_time(), time.monotonic()
-                    tally.measuring = True
-                    await trio.sleep(cell["seconds"])
-                    tally.measuring = False
-                    cpu1, t1 = time.process_time(), time.monotonic()
-                stats = await self._ctl("stats")
+                wall, cpu, stats = await self._measure(cell, tally, adds + c)
                 nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.ctl.wait_idle)
-        return common.throughput_result(self.name, cell, tally, wall=t1 - t0, cpu=cpu1 - cpu0, engine=stats)
+        return common.throughput_result(self.name, cell, tally, wall=wall, cpu=cpu, engine=stats)
+
+    async def _measure(self, cell: dict[str, Any], tally: common.Tally, adds: int) -> tuple[float, float, Any]:
+        """With the cell's streams open and read: wait until the engine holds all
+        *adds*, let it step, wait until every stream got output, warm up, then
+        measure ``cell["seconds"]``. Returns (wall s, client CPU s, engine stats)."""
+        c = cell["concurrency"]
+        await trio.to_thread.run_sync(self.ctl.wait_adds, adds)
+        await trio.to_thread.run_sync(self.ctl.run, cell)
+        with trio.fail_after(120):
+            while tally.first_seen < c:
+                await trio.sleep(0.02)
+        await trio.sleep(cell["warmup_s"])
+        await self._ctl("mark")
+        with tally.gc:
+            cpu0, t0 = time.process_time(), time.monotonic()
+            tally.measuring = True
+            await trio.sleep(cell["seconds"])
+            tally.measuring = False
+            cpu1, t1 = time.process_time(), time.monotonic()
+        return t1 - t0, cpu1 - cpu0, await self._ctl("stats")
 
     async def idle_rss_group(self, cell: dict[str, Any]) -> dict[str, Any]:
         from ..multiplex import open_stream_group
@@ -182,23 +189,10 @@ class Runner:
         async with trio.open_nursery() as nursery:
             for i in range(c):
                 nursery.start_soon(consume, i, common.is_slow(i, cell["slow_fraction"]))
-            await trio.to_thread.run_sync(self.ctl.wait_adds, adds + c)
-            await trio.to_thread.run_sync(self.ctl.run, cell)
-            with trio.fail_after(120):
-                while tally.first_seen < c:
-                    await trio.sleep(0.02)
-            await trio.sleep(cell["warmup_s"])
-            await self._ctl("mark")
-            with tally.gc:
-                cpu0, t0 = time.process_time(), time.monotonic()
-                tally.measuring = True
-                await trio.sleep(cell["seconds"])
-                tally.measuring = False
-                cpu1, t1 = time.process_time(), time.monotonic()
-            stats = await self._ctl("stats")
+            wall, cpu, stats = await self._measure(cell, tally, adds + c)
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.ctl.wait_idle)
-        return common.throughput_result("zmqdispatch", cell, tally, wall=t1 - t0, cpu=cpu1 - cpu0, engine=stats)
+        return common.throughput_result("zmqdispatch", cell, tally, wall=wall, cpu=cpu, engine=stats)
 
     async def idle_rss(self, cell: dict[str, Any]) -> dict[str, Any]:
         self.cell_no += 1
