@@ -29,6 +29,7 @@ import trio
 import zmq
 
 from .. import ClientConfig, EngineClient, connect
+from ..multiplex import open_stream_group
 from ..wire import vllm as wire
 from . import _common as common
 
@@ -57,8 +58,6 @@ class Runner:
 
     async def throughput_group(self, cell: dict[str, Any]) -> dict[str, Any]:
         """One StreamGroup, one reader task for all C streams."""
-        from ..multiplex import open_stream_group
-
         if cell["slow_fraction"] > 0:
             return {"client": self.name, "cell": cell["name"], "skipped": "one reader task for every stream"}
         self.cell_no += 1
@@ -121,33 +120,6 @@ class Runner:
             cpu1, t1 = time.process_time(), time.monotonic()
         return t1 - t0, cpu1 - cpu0, await self._ctl("stats")
 
-    async def idle_rss_group(self, cell: dict[str, Any]) -> dict[str, Any]:
-        from ..multiplex import open_stream_group
-
-        self.cell_no += 1
-        await self._ctl("cfg", {"mode": "hold", "window": 0})
-        base = (await self._ctl("stats"))["adds"]
-        c = cell["concurrency"]
-        requests = [_request(f"g{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i), cell["max_tokens"])
-                    for i in range(c)]
-        gc.collect()
-        before = common.rss_bytes()
-        async with open_stream_group(self.client) as group:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._drain_group, group)
-                for req in requests:
-                    group.generate(req)
-                await trio.to_thread.run_sync(self.ctl.wait_adds, base + c)
-                await trio.testing.wait_all_tasks_blocked()
-                await trio.sleep(0.5)
-                gc.collect()
-                after = common.rss_bytes()
-                nursery.cancel_scope.cancel()
-        del requests
-        await trio.to_thread.run_sync(self.ctl.wait_idle)
-        await self._ctl("cfg", {"mode": "run"})
-        return common.rss_result(self.name, cell, before, after, c)
-
     @staticmethod
     async def _drain_group(group: Any) -> None:
         async for _ in group:
@@ -155,7 +127,7 @@ class Runner:
 
     async def cell(self, cell: dict[str, Any]) -> dict[str, Any]:
         if cell["kind"] == "idle_rss":
-            return await (self.idle_rss_group(cell) if self.group else self.idle_rss(cell))
+            return await self.idle_rss(cell)
         return await (self.throughput_group(cell) if self.group else self.throughput(cell))
 
     async def throughput(self, cell: dict[str, Any]) -> dict[str, Any]:
@@ -195,13 +167,16 @@ class Runner:
         return common.throughput_result("zmqdispatch", cell, tally, wall=wall, cpu=cpu, engine=stats)
 
     async def idle_rss(self, cell: dict[str, Any]) -> dict[str, Any]:
+        """RSS growth per open stream on a holding engine: C streams, each read by
+        its own task (``zmqdispatch``) or all in one StreamGroup (``--group``)."""
         self.cell_no += 1
         client = self.client
         await self._ctl("cfg", {"mode": "hold", "window": 0})
         base = (await self._ctl("stats"))["adds"]
         c = cell["concurrency"]
-        requests = [_request(f"z{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i), cell["max_tokens"])
-                    for i in range(c)]
+        prefix = "g" if self.group else "z"
+        requests = [_request(f"{prefix}{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
+                             cell["max_tokens"]) for i in range(c)]
 
         async def consume(req: wire.EngineCoreRequest) -> None:
             async with client.generate(req) as stream:
@@ -210,19 +185,24 @@ class Runner:
 
         gc.collect()
         before = common.rss_bytes()
-        async with trio.open_nursery() as nursery:
+        async with open_stream_group(client) as group, trio.open_nursery() as nursery:
+            if self.group:
+                nursery.start_soon(self._drain_group, group)
             for req in requests:
-                nursery.start_soon(consume, req)
+                if self.group:
+                    group.generate(req)
+                else:
+                    nursery.start_soon(consume, req)
             await trio.to_thread.run_sync(self.ctl.wait_adds, base + c)
             await trio.testing.wait_all_tasks_blocked()
-            await trio.sleep(0.5)
+            await trio.sleep(0.5)  # let the allocator settle before reading RSS (bench, not a test)
             gc.collect()
             after = common.rss_bytes()
             nursery.cancel_scope.cancel()
         del requests
         await trio.to_thread.run_sync(self.ctl.wait_idle)
         await self._ctl("cfg", {"mode": "run"})
-        return common.rss_result("zmqdispatch", cell, before, after, c)
+        return common.rss_result(self.name, cell, before, after, c)
 
     async def real(self, cmd: dict[str, Any]) -> dict[str, Any]:
         n, max_tokens = cmd["sequences"], cmd["max_tokens"]
