@@ -314,3 +314,21 @@ def test_repr_shows_state():
     p = EngineProtocol(engine_index=2)
     p.submit(make_request("r1"))
     assert repr(p) == "<EngineProtocol engine=2 READY inflight=1 dead=False>"
+
+
+def test_the_renamed_id_map_stays_bounded_by_the_live_requests():
+    # Renamed requests that retire are dropped from the caller-id map, whether or
+    # not their id is ever looked up again.
+    p = EngineProtocol()
+    for i in range(500):
+        rid = f"u{i}"
+        p.submit(make_request(rid))
+        sent(p)
+        p.abort([rid])
+        p.submit(make_request(rid))  # renamed: "u<i>" was just aborted
+        wire_id = p.wire_id(rid)
+        assert wire_id != rid
+        sent(p)
+        p.frames_received(outputs_frames([out(wire_id, [1], finish=wire.FinishReason.LENGTH)]))
+        assert p.inflight == 0  # (no lookup by the caller's id, which would drop the entry itself)
+    assert p.renamed_requests == 500 and len(p._renamed) <= 64

@@ -304,8 +304,7 @@ class EngineProtocol:
         mb.add = out
         mb.wire_id = wire_id
         if wire_id is not rid:
-            self._renamed[rid] = wire_id
-            self.renamed_requests += 1
+            self._add_renamed(rid, wire_id)
         self._requests[wire_id] = mb
         self._outbox.append(out)
         self._wake_sender()
@@ -325,6 +324,18 @@ class EngineProtocol:
                 request_id=request_id,
                 field="request_id",
             )
+
+    def _add_renamed(self, request_id: str, wire_id: str) -> None:
+        renamed = self._renamed
+        if len(renamed) >= 2 * len(self._requests) + 64:
+            # Entries of retired requests are dropped lazily (_live); sweep them
+            # here too, so the map stays O(live requests), amortized O(1).
+            requests = self._requests
+            self._renamed = renamed = {
+                u: w for u, w in renamed.items() if (mb := requests.get(w)) is not None and mb.request_id == u
+            }
+        renamed[request_id] = wire_id
+        self.renamed_requests += 1
 
     def _held_by_engine(self, wire_id: str) -> bool:
         """May the engine still hold something under *wire_id*: a live request
