@@ -98,14 +98,6 @@ def token_for_step(step: int) -> int:
     return step % TOKEN_MODULUS
 
 
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 0x10000:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
 class StepEncoder:
     """The running requests and the bytes of their next step (sans-IO).
 
@@ -194,9 +186,9 @@ class StepEncoder:
     def _template(self, request_id: str) -> tuple[bytes, bytes]:
         k = self.tokens_per_tick
         row = self._row(request_id, (_SENTINEL,) * k)
-        marker = _array_header(k) + _SENTINEL_BYTES * k
+        marker = wire.msgpack_array_header(k) + _SENTINEL_BYTES * k
         i = row.index(marker)
-        cut = i + len(_array_header(k))
+        cut = i + len(wire.msgpack_array_header(k))
         return row[:cut], row[i + len(marker) :]
 
     def _rebuild_gaps(self) -> list[bytes]:
@@ -245,14 +237,7 @@ class StepEncoder:
         if self._new:
             new, self._new = self._new, {}
             for rid, (prompt_len, max_tokens) in new.items():
-                stats = {
-                    "num_prompt_tokens": prompt_len,
-                    "num_computed_tokens": prompt_len,
-                    "num_cached_tokens": 0,
-                    "num_local_cached_tokens": 0,
-                    "num_external_cached_tokens": 0,
-                    "num_cache_creation_tokens": 0,
-                }
+                stats = wire.PrefillStats(num_prompt_tokens=prompt_len, num_computed_tokens=prompt_len)
                 if max_tokens is not None and max_tokens <= k:
                     fixed.append(self._row(rid, (tok,) * max_tokens, prefill_stats=stats,
                                            finish_reason=wire.FinishReason.LENGTH))
@@ -284,7 +269,7 @@ class StepEncoder:
         if rows == 0:
             return b"", 0.0, 0, 0, finished
         tokens += n_steady * self.tokens_per_tick
-        head = self._head + _array_header(rows) + b"".join(fixed)
+        head = self._head + wire.msgpack_array_header(rows) + b"".join(fixed)
         if n_steady == 0:
             ts = clock()
             return head + _NIL + _FLOAT.pack(0xCB, ts) + self._tail_post, ts, rows, tokens, finished

@@ -145,14 +145,7 @@ class MockEngineCore:
             prefill = None
             if r.first:
                 r.first = False
-                prefill = {
-                    "num_prompt_tokens": prompt_len,
-                    "num_computed_tokens": prompt_len,
-                    "num_cached_tokens": 0,
-                    "num_local_cached_tokens": 0,
-                    "num_external_cached_tokens": 0,
-                    "num_cache_creation_tokens": 0,
-                }
+                prefill = wire.PrefillStats(num_prompt_tokens=prompt_len, num_computed_tokens=prompt_len)
             outputs.append(
                 wire.EngineCoreOutput(
                     request_id=rid,

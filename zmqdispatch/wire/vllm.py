@@ -115,6 +115,7 @@ __all__ = [
     "decode_logprobs_lists",
     "decode_logprobs_tensors",
     "PrefillStats",
+    "msgpack_array_header",
     "EngineCoreEvent",
     "OutputError",
     "EngineCoreOutput",
@@ -205,11 +206,8 @@ def parse_request_type(frame: bytes) -> RequestType:
 # =========================================================================== helpers
 
 
-
-
-
-
-def _array_header(n: int) -> bytes:
+def msgpack_array_header(n: int) -> bytes:
+    """The msgpack header of an *n*-element array (fixarray, array 16 or array 32)."""
     if n < 16:
         return bytes((0x90 | n,))
     if n < 0x10000:
@@ -616,7 +614,7 @@ def encode_request(req: EngineCoreRequest) -> list[bytes]:
     aux: list[Any] = []
     # Packed element by element (in field order, so aux indexes follow vLLM's
     # depth-first order) because sampling_params needs msgspec's map16 header.
-    parts: list[bytes] = [_array_header(len(_REQUEST_FIELDS))]
+    parts: list[bytes] = [msgpack_array_header(len(_REQUEST_FIELDS))]
     for name, _wire, _default, kind, _always in _spec(EngineCoreRequest):
         v = getattr(req, name)
         try:
