@@ -399,11 +399,21 @@ class EngineClient:
         self._last_activity = trio.current_time()
         self._closing = False
         self._dead = trio.Event()
-        protocol.on_death = lambda exc: self._dead.set()
+        self._ending = trio.Event()  # set by a death sign or a death
+
+        def on_death(exc: EngineDeadError) -> None:
+            self._dead.set()
+            self._ending.set()
+
+        protocol.on_death = on_death
         # the engine's output connection dropped (set by _output_monitor_watch)
         self._output_monitor = output_monitor_sock
         self._output_dropped = ""  # endpoint of the dropped connection, "" = none
         self._pump_wait: trio.CancelScope | None = None  # the output pump's wait
+        # A death signal that can overtake the engine's last outputs (input
+        # disconnect, process exit, EHOSTUNREACH): (reason, message), declared
+        # by the output pump once it has routed what the engine sent before.
+        self._gone: tuple[str, str] | None = None
         self.stray_output_connections = 0  # closed before their ZMTP handshake
 
     def __repr__(self) -> str:
@@ -565,32 +575,81 @@ class EngineClient:
     def _died(self, reason: str, message: str) -> None:
         self._protocol.engine_died(EngineDeadError(message, engine_index=self.engine_index, reason=reason))
 
+    def _death_sign(self, reason: str, message: str) -> None:
+        """A sign that the engine is gone which may come before its last
+        outputs (its final tokens, finishes, the ``ENGINE_CORE_DEAD``
+        sentinel) are read: the input connection closed, the process exited,
+        a send met EHOSTUNREACH. The output pump routes those first (see
+        :meth:`_outputs_then_death`), then declares the death, unless the
+        outputs themselves did (a sentinel)."""
+        if self._gone is None:
+            self._gone = (reason, message)
+            self._ending.set()
+            if self._pump_wait is not None:
+                self._pump_wait.cancel()
+
+    def _route(self, batch: list[list[bytes]]) -> None:
+        p = self._protocol
+        if self.config.pause_gc_while_routing and gc.isenabled():
+            gc.disable()
+            try:
+                for frames in batch:
+                    p.frames_received(frames)
+            finally:
+                gc.enable()
+        else:
+            for frames in batch:
+                p.frames_received(frames)
+
+    async def _route_queued(self) -> None:
+        """Route every output message already queued on the socket."""
+        p = self._protocol
+        while p.state is LinkState.READY and (batch := self._output.recv_nowait()):
+            self._last_activity = trio.current_time()
+            self._route(batch)
+            await trio.lowlevel.checkpoint()
+
+    async def _outputs_then_death(self) -> None:
+        """Declare the death :meth:`_death_sign` recorded, after the engine's
+        last outputs. libzmq keeps what arrived on a connection readable after
+        reporting it closed, and a dead engine's output connection closes
+        within milliseconds of its input one, so: read on until the output
+        connection drops (at most ``limits.OUTPUT_DROP_GRACE`` seconds), route
+        what is queued, then fail what is left."""
+        assert self._gone is not None
+        p = self._protocol
+        deadline = trio.current_time() + limits.OUTPUT_DROP_GRACE
+        while p.state is LinkState.READY and not self._output_dropped and trio.current_time() < deadline:
+            batch = None
+            with trio.CancelScope(deadline=deadline) as self._pump_wait:
+                batch = await self._output.recv_batch()
+            self._pump_wait = None
+            if batch:
+                self._last_activity = trio.current_time()
+                self._route(batch)
+        await self._route_queued()
+        if p.state is LinkState.READY:
+            self._died(*self._gone)
+
     async def _output_pump(self) -> None:
         sock = self._output
         p = self._protocol
-        pause_gc = self.config.pause_gc_while_routing
         try:
             while p.state is LinkState.READY:
+                if self._gone is not None:
+                    await self._outputs_then_death()
+                    return
                 if self._output_dropped:
                     await self._output_link_dropped()
                     continue
                 batch = None
-                with trio.CancelScope() as self._pump_wait:  # cancelled on a drop
+                with trio.CancelScope() as self._pump_wait:  # cancelled on a drop or a death sign
                     batch = await sock.recv_batch()  # atomic: a cancel loses nothing
                 self._pump_wait = None
                 if batch is None:
                     continue
                 self._last_activity = trio.current_time()
-                if pause_gc and gc.isenabled():
-                    gc.disable()
-                    try:
-                        for frames in batch:
-                            p.frames_received(frames)
-                    finally:
-                        gc.enable()
-                else:
-                    for frames in batch:
-                        p.frames_received(frames)
+                self._route(batch)
         except trio.ClosedResourceError:
             return
 
@@ -621,7 +680,9 @@ class EngineClient:
                 # yields (and waits for room, bounded by send_timeout).
                 await sock.send(out.frames, timeout=timeout)
             except PeerUnreachable:
-                self._died("unreachable", f"engine {self.engine_index} is not connected to the input socket (EHOSTUNREACH)")
+                self._death_sign(
+                    "unreachable", f"engine {self.engine_index} is not connected to the input socket (EHOSTUNREACH)"
+                )
                 return
             except SendTimeout:
                 self._died(
@@ -658,7 +719,7 @@ class EngineClient:
             while self._protocol.state is LinkState.READY:
                 event, value, endpoint = parse_monitor_event(await sock.recv_multipart())
                 if _engine_gone(self._peer_fds, event, value) and not self._closing:
-                    self._died(
+                    self._death_sign(
                         "disconnected",
                         f"engine {self.engine_index} closed its input connection ({endpoint})",
                     )
@@ -702,14 +763,17 @@ class EngineClient:
         and is aborted (``EngineProtocol.output_lost``)."""
         endpoint, self._output_dropped = self._output_dropped, ""
         p = self._protocol
-        while p.state is LinkState.READY and (batch := self._output.recv_nowait()):
-            self._last_activity = trio.current_time()
-            for frames in batch:
-                p.frames_received(frames)
-            await trio.lowlevel.checkpoint()
+        await self._route_queued()
         if p.inflight or p.pending_utility_calls:
             with trio.move_on_after(limits.OUTPUT_DROP_GRACE):
-                await self._dead.wait()
+                await self._ending.wait()
+        if p.state is not LinkState.READY:
+            return
+        if self._gone is not None:
+            await self._route_queued()
+            if p.state is LinkState.READY:
+                self._died(*self._gone)
+            return
         p.output_lost(
             f"engine {self.engine_index}'s output connection ({endpoint}) was dropped, by libzmq for a frame above "
             f"MAX_FRAME_BYTES ({limits.MAX_FRAME_BYTES} bytes, ZMQ_MAXMSGSIZE) or by a broken link: outputs on it "
@@ -720,7 +784,7 @@ class EngineClient:
         assert self._process is not None
         code = await self._process.wait()
         if not self._closing:
-            self._died("process_exit", f"engine process {self._process.pid} exited with code {code}")
+            self._death_sign("process_exit", f"engine process {self._process.pid} exited with code {code}")
 
     def _flush_aborts_nowait(self) -> None:
         """At shutdown: hand the pending ABORT frame to the socket without

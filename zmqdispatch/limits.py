@@ -139,4 +139,8 @@ MAX_ORPHAN_IDS = 65_536
 #: fails the requests whose outputs may be lost with ``RemoteProtocolError``.
 #: A dying engine's other signals arrive within milliseconds; the grace keeps
 #: its streams failing with ``EngineDeadError`` as for any other death.
+#: The other way round too: after an input disconnect, a process exit or
+#: EHOSTUNREACH, the pump reads on for at most this long, until the output
+#: connection drops as well, so the engine's last outputs (and its sentinel)
+#: are routed before the death is declared.
 OUTPUT_DROP_GRACE = 0.25

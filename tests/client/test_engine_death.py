@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from zmqdispatch import limits
 from zmqdispatch import (
     ClientConfig,
     EngineDeadError,
@@ -120,6 +121,42 @@ async def test_engine_disconnect_is_death_and_submit_fails_fast():  # K12
             with pytest.raises(EngineDeadError):
                 client.generate(make_request("pinned"))
             assert not client.protocol.is_live("pinned")
+
+
+async def _input_closed_and_noticed(engine, client) -> None:
+    """Close the engine's input connection and wait until the client has seen
+    it (a death sign; a client without the drain declares the death here)."""
+    engine.socks.input.close()
+    await client._ending.wait()
+
+
+@pytest.mark.parametrize("sentinel", [True, False])
+async def test_outputs_sent_before_an_input_disconnect_are_delivered(sentinel):
+    # A dying engine's input connection can close before its last outputs are
+    # read: the finished request keeps its tokens and finish; the others fail
+    # with the engine's own cause (its sentinel) when it sent one.
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            done, other = await open_streams(client, engine, 2)
+            await _input_closed_and_noticed(engine, client)
+            await engine.send_tokens("r0", [5, 6], finish=wire.FinishReason.STOP)
+            if sentinel:
+                await engine.send_sentinel()
+            engine.socks.output.close(linger_ms=1000)
+            delta = await done.receive()
+            assert list(delta.token_ids) == [5, 6] and delta.finish_reason == wire.FinishReason.STOP
+            await done.__aexit__(None, None, None)
+            await expect_all_dead([other], "sentinel" if sentinel else "disconnected")
+
+
+async def test_an_input_disconnect_with_the_output_link_still_up_is_death_after_the_grace(mock_clock):
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            (s,) = await open_streams(client, engine, 1)
+            await _input_closed_and_noticed(engine, client)
+            t0 = trio.current_time()
+            await expect_all_dead([s], "disconnected")
+            assert trio.current_time() - t0 <= limits.OUTPUT_DROP_GRACE + 0.1
 
 
 async def test_handshake_timeout_when_ready_never_comes(mock_clock):  # K9a (fake engine)
