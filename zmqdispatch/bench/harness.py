@@ -459,6 +459,32 @@ def _run_real(settings: BenchSettings, model_dir: str | None, logs: Path, progre
         "max_tokens": settings.real_max_tokens,
         "repeats": settings.real_repeats,
         "results": {client: {"median": summarize(r), "rounds": r} for client, r in rounds.items()},
+        "paired": paired_ratios(rounds["zmqdispatch"], rounds["vllm"]),
+    }
+
+
+def paired_ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """zmqdispatch's tokens/s over vLLM's, round by round (the two runs of a
+    round are back to back, so slow drift of the machine cancels out).
+
+    Returns ``None`` when no round has both figures, else ``{"rounds": n,
+    "ratios": [...], "median": m, "min": .., "max": .., "ours_ahead": k}``
+    (``ours_ahead``: rounds where zmqdispatch's tokens/s was the higher).
+    """
+    ratios = [
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for a, b in zip(ours, theirs)
+        if a.get("tokens_per_s") and b.get("tokens_per_s")
+    ]
+    if not ratios:
+        return None
+    return {
+        "rounds": len(ratios),
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "ours_ahead": sum(r > 1 for r in ratios),
     }
 
 
@@ -538,6 +564,11 @@ def format_tables(doc: dict[str, Any]) -> str:
                 cpu_per_token = (1e6 * m["client_cpu_s"] / m["tokens"]) if m.get("tokens") else None
                 out += (f"\n| {client} | {_fmt(m.get('tokens_per_s'), ',.0f')} "
                         f"| {_fmt(cpu_per_token, '.1f')} |")
+            paired = real.get("paired")
+            if paired:
+                out += (f"\n\nRound by round, zmqdispatch's tokens/s over vLLM's: median {paired['median']:.3f}x "
+                        f"(range {paired['min']:.2f}-{paired['max']:.2f}x; zmqdispatch ahead in "
+                        f"{paired['ours_ahead']} of {paired['rounds']} rounds).")
     return out
 
 
