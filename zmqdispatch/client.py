@@ -410,10 +410,8 @@ class EngineClient:
         self._output_monitor = output_monitor_sock
         self._output_dropped = ""  # endpoint of the dropped connection, "" = none
         self._pump_wait: trio.CancelScope | None = None  # the output pump's wait
-        # A death signal that can overtake the engine's last outputs (input
-        # disconnect, process exit, EHOSTUNREACH): (reason, message), declared
-        # by the output pump once it has routed what the engine sent before.
-        self._gone: tuple[str, str] | None = None
+        # the engine's output connections past their ZMTP handshake (output watch)
+        self._output_links = 0
         self.stray_output_connections = 0  # closed before their ZMTP handshake
 
     def __repr__(self) -> str:
@@ -442,8 +440,9 @@ class EngineClient:
 
     @property
     def is_alive(self) -> bool:
-        """False once the engine is known dead or the client closed (latched)."""
-        return self._protocol.state is LinkState.READY
+        """False once the engine is known dead or gone (its death being
+        declared after its last outputs), or the client closed (latched)."""
+        return self._protocol.accepts_requests
 
     @property
     def session(self) -> EngineSession | None:
@@ -462,8 +461,12 @@ class EngineClient:
 
     @property
     def death(self) -> EngineDeadError | None:
-        """Why the engine is considered dead (``None`` while alive)."""
-        return self._protocol.death
+        """Why the engine is considered dead (``None`` while alive). While a
+        death sign's last outputs are being routed (at most
+        ``limits.OUTPUT_DROP_GRACE``), that sign; then the declared cause,
+        which is the engine's sentinel when one came among those outputs."""
+        p = self._protocol
+        return p.death or p.gone
 
     async def wait_dead(self) -> EngineDeadError:
         """Block until the engine is declared dead; return the cause."""
@@ -579,11 +582,13 @@ class EngineClient:
         """A sign that the engine is gone which may come before its last
         outputs (its final tokens, finishes, the ``ENGINE_CORE_DEAD``
         sentinel) are read: the input connection closed, the process exited,
-        a send met EHOSTUNREACH. The output pump routes those first (see
-        :meth:`_outputs_then_death`), then declares the death, unless the
-        outputs themselves did (a sentinel)."""
-        if self._gone is None:
-            self._gone = (reason, message)
+        a send met EHOSTUNREACH. New requests are refused at once
+        (``EngineProtocol.engine_gone``); the output pump routes those outputs
+        first (:meth:`_outputs_then_death`), then declares the death, unless
+        the outputs themselves did (a sentinel)."""
+        p = self._protocol
+        if p.state is LinkState.READY and p.gone is None:
+            p.engine_gone(EngineDeadError(message, engine_index=self.engine_index, reason=reason))
             self._ending.set()
             if self._pump_wait is not None:
                 self._pump_wait.cancel()
@@ -613,13 +618,13 @@ class EngineClient:
         """Declare the death :meth:`_death_sign` recorded, after the engine's
         last outputs. libzmq keeps what arrived on a connection readable after
         reporting it closed, and a dead engine's output connection closes
-        within milliseconds of its input one, so: read on until the output
-        connection drops (at most ``limits.OUTPUT_DROP_GRACE`` seconds), route
+        within milliseconds of its input one, so: read on while an output
+        connection is up (at most ``limits.OUTPUT_DROP_GRACE`` seconds), route
         what is queued, then fail what is left."""
-        assert self._gone is not None
         p = self._protocol
+        assert p.gone is not None
         deadline = trio.current_time() + limits.OUTPUT_DROP_GRACE
-        while p.state is LinkState.READY and not self._output_dropped and trio.current_time() < deadline:
+        while p.state is LinkState.READY and self._output_links > 0 and trio.current_time() < deadline:
             batch = None
             with trio.CancelScope(deadline=deadline) as self._pump_wait:
                 batch = await self._output.recv_batch()
@@ -629,14 +634,14 @@ class EngineClient:
                 self._route(batch)
         await self._route_queued()
         if p.state is LinkState.READY:
-            self._died(*self._gone)
+            p.engine_died(p.gone)
 
     async def _output_pump(self) -> None:
         sock = self._output
         p = self._protocol
         try:
             while p.state is LinkState.READY:
-                if self._gone is not None:
+                if p.gone is not None:
                     await self._outputs_then_death()
                     return
                 if self._output_dropped:
@@ -740,12 +745,15 @@ class EngineClient:
         try:
             while self._protocol.state is LinkState.READY:
                 event, _, endpoint = parse_monitor_event(await sock.recv_multipart())
-                if event & _HANDSHAKE_FAILED:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._output_links += 1
+                elif event & _HANDSHAKE_FAILED:
                     stray = True
                 elif event == zmq.EVENT_DISCONNECTED:
                     if stray:
                         self.stray_output_connections += 1
                     elif not self._closing:
+                        self._output_links = max(0, self._output_links - 1)
                         self._output_dropped = endpoint or "?"
                         if self._pump_wait is not None:
                             self._pump_wait.cancel()
@@ -769,10 +777,10 @@ class EngineClient:
                 await self._ending.wait()
         if p.state is not LinkState.READY:
             return
-        if self._gone is not None:
+        if p.gone is not None:
             await self._route_queued()
             if p.state is LinkState.READY:
-                self._died(*self._gone)
+                p.engine_died(p.gone)
             return
         p.output_lost(
             f"engine {self.engine_index}'s output connection ({endpoint}) was dropped, by libzmq for a frame above "
@@ -871,6 +879,7 @@ async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
         if proc.returncode is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) engine acts on it only once resumed
             except ProcessLookupError:
                 pass
             with trio.move_on_after(grace):
@@ -1073,7 +1082,9 @@ async def connect(
     out_monitor: TrioSocket | None = None
     try:
         # Created before bind: the output watch sees the engine's output connection drop.
-        out_monitor = out.monitor(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED, name="output-monitor")
+        out_monitor = out.monitor(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED, name="output-monitor"
+        )
         if config.death_on_disconnect or resume is not None:
             # Created before bind so no event is missed: the watch task counts
             # the input socket's connections (ACCEPTED / DISCONNECTED).

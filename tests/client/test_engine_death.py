@@ -155,8 +155,31 @@ async def test_an_input_disconnect_with_the_output_link_still_up_is_death_after_
             (s,) = await open_streams(client, engine, 1)
             await _input_closed_and_noticed(engine, client)
             t0 = trio.current_time()
+            # the death is pending (the open stream may still get outputs),
+            # but new requests are refused at once and the client says so
+            assert not client.is_alive and client.death.reason == "disconnected"
+            with pytest.raises(EngineDeadError) as ei:
+                client.generate(make_request("new"))
+            assert ei.value.reason == "disconnected"
+            with pytest.raises(EngineDeadError):
+                await client.call_utility("is_sleeping")
             await expect_all_dead([s], "disconnected")
             assert trio.current_time() - t0 <= limits.OUTPUT_DROP_GRACE + 0.1
+
+
+async def test_an_input_disconnect_after_the_output_link_dropped_is_death_at_once(mock_clock):
+    # SIGKILL of an idle engine: its output connection may be seen closing
+    # first; the input disconnect then has no outputs left to wait for.
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            engine.socks.output.close()
+            while client._output_links:  # the client saw the output connection drop
+                await trio.sleep(0.01)
+            engine.socks.input.close()
+            await client._ending.wait()
+            t0 = trio.current_time()
+            cause = await client.wait_dead()
+            assert cause.reason == "disconnected" and trio.current_time() - t0 < limits.OUTPUT_DROP_GRACE
 
 
 async def test_handshake_timeout_when_ready_never_comes(mock_clock):  # K9a (fake engine)
@@ -247,6 +270,19 @@ async def test_spawned_engine_exit_is_death_for_every_stream():  # K8
                         await s.receive()
             with pytest.raises(EngineDeadError):
                 client.generate(make_request("after"))
+
+
+async def test_leaving_with_a_stopped_spawned_engine_stops_it_with_sigterm_not_after_the_grace():
+    # A SIGSTOPped process acts on SIGTERM only once resumed: the client sends
+    # SIGCONT with it, so the engine exits cleanly (code 0) instead of being
+    # SIGKILLed when terminate_grace runs out.
+    import signal
+
+    with trio.fail_after(GUARD + 30):
+        async with connect(launch=mock_argv(), config=ClientConfig(handshake_timeout=30, terminate_grace=10.0)) as client:
+            proc = client._process
+            os.killpg(proc.pid, signal.SIGSTOP)
+        assert proc.returncode == 0
 
 
 async def test_spawned_engine_that_exits_during_handshake_is_reported():

@@ -199,6 +199,30 @@ def test_finished_requests_without_terminal_row_are_retired():
     assert d.finish_reason is wire.FinishReason.ABORT and p.inflight == 0
 
 
+def test_a_death_sign_refuses_new_requests_but_routes_outputs_until_the_death():
+    p = EngineProtocol()
+    done, other = (p.submit(make_request(f"r{i}"))[0] for i in range(2))
+    sent(p)
+    sign = EngineDeadError("input connection closed", reason="disconnected")
+    p.engine_gone(sign)
+    p.engine_gone(EngineDeadError("later", reason="process_exit"))  # the first sign wins
+    assert not p.accepts_requests and p.gone is sign and p.death is None
+    with pytest.raises(EngineDeadError) as ei:
+        p.submit(make_request("new"))
+    assert ei.value.reason == "disconnected" and not p.is_live("new")
+    with pytest.raises(EngineDeadError):
+        p.check_alive()
+    # the engine's last outputs still reach their streams ...
+    p.frames_received(outputs_frames([out("r0", [5, 6], wire.FinishReason.STOP)]))
+    d = done.take()
+    assert list(d.token_ids) == [5, 6] and d.finish_reason is wire.FinishReason.STOP
+    # ... and a sentinel among them is the declared cause
+    p.frames_received([wire.ENGINE_CORE_DEAD])
+    with pytest.raises(EngineDeadError) as ei:
+        other.take()
+    assert ei.value.reason == "sentinel" and p.death.reason == "sentinel"
+
+
 def test_sentinel_fails_every_stream_and_refuses_new_requests():
     p = EngineProtocol()
     mbs = [p.submit(make_request(f"r{i}"))[0] for i in range(3)]

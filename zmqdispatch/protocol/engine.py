@@ -171,6 +171,8 @@ class EngineProtocol:
         self.max_decode_errors = max_decode_errors
         self.state = LinkState.READY
         self.death: EngineDeadError | None = None
+        # a death sign seen, the death not yet declared (engine_gone)
+        self.gone: EngineDeadError | None = None
         # engine-side id -> mailbox (its ADD in .add, the caller's id in .request_id)
         self._requests: dict[str, Mailbox] = {}
         # caller's id -> engine-side id, for live requests sent under a fresh id
@@ -259,10 +261,16 @@ class EngineProtocol:
 
     # ------------------------------------------------------------------ submit / abort
 
+    @property
+    def accepts_requests(self) -> bool:
+        """True while the link is READY and no death sign was seen."""
+        return self.state is LinkState.READY and self.gone is None
+
     def check_alive(self) -> None:
-        """Raise a fresh :class:`EngineDeadError` if the engine is dead."""
-        if self.death is not None:
-            d = self.death
+        """Raise a fresh :class:`EngineDeadError` if the engine is dead, or
+        gone (:meth:`engine_gone`) with its death not yet declared."""
+        d = self.death or self.gone
+        if d is not None:
             raise EngineDeadError(str(d), engine_index=d.engine_index, reason=d.reason)
 
     def submit(self, request: Any, mailbox: Mailbox | None = None) -> tuple[Mailbox, Outgoing]:
@@ -740,6 +748,16 @@ class EngineProtocol:
             self._wake_sender()
 
     # ------------------------------------------------------------------ death
+
+    def engine_gone(self, exc: EngineDeadError) -> None:
+        """A sign that the engine is gone which may come before its last
+        outputs are read (its input connection closed, its process exited).
+        From now on new requests and utility calls are refused with *exc*
+        (:meth:`check_alive`); open requests keep receiving what the engine
+        sent until :meth:`engine_died` (the caller's to call, with *exc* or a
+        cause found in those outputs). Idempotent: the first sign wins."""
+        if self.state is LinkState.READY and self.gone is None:
+            self.gone = exc
 
     def engine_died(self, exc: EngineDeadError) -> None:
         """Mark the link dead and fail everything open with *exc*. Idempotent:
