@@ -415,7 +415,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
     out(tables)
     (settings.output_dir / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
     (settings.output_dir / "bench.md").write_text(tables + "\n")
-    if settings.plot:
+    if settings.plot and any(c["name"].startswith(("sat-", "paced-")) for c in doc["cells"]):
         from .plot import plot
 
         try:
