@@ -87,7 +87,9 @@ class ClientConfig:
         terminate_grace: seconds a spawned engine gets after SIGTERM.
         death_on_disconnect: treat the engine's input connection closing (a
             zmq monitor ``EVENT_DISCONNECTED`` on the input ROUTER) as death
-            (``reason="disconnected"``). Right for same-host engines, where it
+            (``reason="disconnected"``), and its handshake connection closing
+            before READY as a failed handshake (``EngineHandshakeError`` at
+            once, not after ``handshake_timeout``). Right for same-host engines, where it
             catches a SIGKILLed engine we did not spawn at once; turn it off
             for tcp links that may drop and reconnect.
         pause_gc_while_routing: hold off Python's cyclic garbage collector
@@ -898,10 +900,18 @@ async def _handshake(
     output_address: str,
     timeout: float,
     process: trio.Process | None,
+    monitor: TrioSocket | None = None,
 ) -> tuple[bytes, wire.EngineCoreReadyResponse]:
     """HELLO -> INIT -> (READY on the handshake socket, ready response on the
-    input socket, in either order). vLLM 0.32 ``vllm_wire.md`` section 5.1."""
+    input socket, in either order). vLLM 0.32 ``vllm_wire.md`` section 5.1.
+
+    *monitor* (``EVENT_ACCEPTED | EVENT_DISCONNECTED`` of *hs*): the engine
+    keeps its handshake connection open from HELLO to READY (model loading
+    included); when it closes in between and no READY follows within
+    ``limits.OUTPUT_DROP_GRACE``, the engine is gone: ``EngineHandshakeError``
+    at once instead of after *timeout*."""
     result: dict[str, Any] = {}
+    ready_seen = trio.Event()
 
     def stage() -> str:
         if "identity" not in result:
@@ -930,6 +940,7 @@ async def _handshake(
                 if result.get("identity") != identity:
                     raise EngineHandshakeError(f"READY from identity {identity.hex()} before its HELLO")
                 result["ready_status"] = status
+                ready_seen.set()
                 return
             else:
                 raise EngineHandshakeError(f"unexpected handshake status {status.status!r}")
@@ -952,12 +963,30 @@ async def _handshake(
         code = await process.wait()
         raise EngineHandshakeError(f"engine process {process.pid} exited with code {code} during the handshake")
 
+    async def watch_handshake_link() -> None:
+        assert monitor is not None
+        fds: set[int] = set()
+        while True:
+            event, value, _ = parse_monitor_event(await monitor.recv_multipart())
+            if _engine_gone(fds, event, value) and "identity" in result and not ready_seen.is_set():
+                # A READY sent right before the close is still readable: give it the grace.
+                with trio.move_on_after(limits.OUTPUT_DROP_GRACE):
+                    await ready_seen.wait()
+                if not ready_seen.is_set():
+                    raise EngineHandshakeError(
+                        f"the engine closed its handshake connection while the handshake waited for {stage()}"
+                        " (it exited or crashed)"
+                    )
+                return
+
     inp_ready_started = trio.Event()
     try:
         with trio.fail_after(timeout):
             async with trio.open_nursery() as nursery:
                 if process is not None:
                     nursery.start_soon(watch_process)
+                if monitor is not None:
+                    nursery.start_soon(watch_handshake_link)
 
                 async def both() -> None:
                     async with trio.open_nursery() as inner:
@@ -981,7 +1010,8 @@ _HANDSHAKE_FAILED = (
 
 
 def _engine_gone(peer_fds: set[int], event: int, value: int) -> bool:
-    """Track the input socket's connections; True when the last one closed.
+    """Track a socket's connections (its monitor's ACCEPTED / DISCONNECTED);
+    True when the last one closed.
 
     A stray connection (a port scan on a tcp input address, a probe on an ipc
     path) connects and closes without touching the engine's own connection,
@@ -1080,6 +1110,7 @@ async def connect(
     monitor: TrioSocket | None = None
     peer_fds: set[int] = set()
     out_monitor: TrioSocket | None = None
+    hs_monitor: TrioSocket | None = None
     try:
         # Created before bind: the output watch sees the engine's output connection drop.
         out_monitor = out.monitor(
@@ -1102,6 +1133,9 @@ async def connect(
         else:
             input_address = inp.bind(await _ipc.prepare_bind(config.input_address or ipc("input.sock")))
             output_address = out.bind(await _ipc.prepare_bind(config.output_address or ipc("output.sock")))
+            if config.death_on_disconnect:
+                # Created before bind: the handshake sees the engine's handshake connection close.
+                hs_monitor = hs.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, name="handshake-monitor")
             hs_address = hs.bind(await _ipc.prepare_bind(handshake_address or ipc("handshake.sock")))
             if launch is not None:
                 argv = _format_launch(launch, hs_address)
@@ -1121,7 +1155,12 @@ async def connect(
                 output_address=output_address,
                 timeout=config.handshake_timeout,
                 process=process,
+                monitor=hs_monitor,
             )
+            if hs_monitor is not None:
+                hs.disable_monitor()
+                hs_monitor.close()
+                hs_monitor = None
         hs.close()
         engine_index = int.from_bytes(identity, "little") if len(identity) == 2 else 0
         protocol = EngineProtocol(
@@ -1181,6 +1220,9 @@ async def connect(
         if out_monitor is not None:
             out.disable_monitor()
             out_monitor.close()
+        if hs_monitor is not None:
+            hs.disable_monitor()
+            hs_monitor.close()
         hs.close()
         out.close()
         # Give queued ABORTs a moment to leave in the background.

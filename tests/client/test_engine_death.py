@@ -226,6 +226,42 @@ async def test_handshake_timeout_kills_the_spawned_engine():  # K9a (real proces
         assert ei.value.stage in ("HELLO", "READY")
 
 
+@pytest.mark.parametrize("death_on_disconnect", [True, False])
+async def test_an_engine_that_closes_its_handshake_connection_before_ready_fails_the_handshake(death_on_disconnect):
+    # An engine we did not launch dies while loading its model (after HELLO,
+    # before READY): with death_on_disconnect the client says so at once
+    # instead of waiting out handshake_timeout; without it, the timeout.
+    import zmq
+
+    from zmqdispatch._zmq_trio import ZmqContext
+
+    d = tempfile.mkdtemp(prefix="zqt-")
+    addr = f"ipc://{d}/hs.sock"
+
+    async def dying_engine() -> None:
+        hs = ZmqContext().socket(zmq.DEALER, name="engine-handshake", identity=b"\x00\x00")
+        hs.connect(addr)
+        await hs.send([wire.encode_hello(local=True, headless=False)])
+        await hs.recv_multipart()  # INIT
+        hs.close()  # the engine died loading its model
+
+    timeout = 600.0 if death_on_disconnect else 1.0
+    try:
+        with trio.fail_after(GUARD):
+            async with trio.open_nursery() as n:
+                n.start_soon(dying_engine)
+                with pytest.raises(EngineHandshakeError) as ei:
+                    async with connect(addr, config=ClientConfig(handshake_timeout=timeout,
+                                                                 death_on_disconnect=death_on_disconnect)):
+                        pass  # pragma: no cover
+        if death_on_disconnect:
+            assert "closed its handshake connection while the handshake waited for READY" in str(ei.value)
+        else:
+            assert isinstance(ei.value, EngineHandshakeTimeout)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 async def test_cancel_during_handshake_terminates_engine_and_removes_ipc_dir(tmp_path):  # K9c
     info = tmp_path / "child.txt"
     child = (

@@ -44,11 +44,15 @@ class EngineSockets:
     input: TrioSocket
     output: TrioSocket
     engine_index: int
+    #: the handshake DEALER, kept open when READY was held back (a slow engine)
+    handshake: TrioSocket | None = None
 
     def close(self) -> None:
-        """Close both sockets (linger 0)."""
+        """Close the sockets (linger 0)."""
         self.input.close()
         self.output.close()
+        if self.handshake is not None:
+            self.handshake.close()
 
 
 async def dial(
@@ -66,7 +70,8 @@ async def dial(
     """Do the engine half of the handshake and return the data-plane sockets.
 
     ``send_ready_response`` / ``send_ready`` = False script a handshake that
-    never completes (fault injection). ``input_rcvhwm`` is 0 (unbounded) as in
+    never completes (fault injection); without READY the handshake connection
+    stays open (in ``EngineSockets.handshake``), as a slow engine's does. ``input_rcvhwm`` is 0 (unbounded) as in
     vLLM; a small value lets a test make the client's sends block.
 
     Cancellation: the sockets created so far are closed.
@@ -88,21 +93,23 @@ async def dial(
             if send_ready_response:
                 await inp.send([ts.encode_ready_response(ready)])
             out.connect(init.outputs[0])
-            return EngineSockets(inp, out, engine_index)
-        await hs.send([wire.encode_hello(local=local, headless=headless)])
-        (init_payload,) = await hs.recv_multipart()
-        init = wire.decode_init(init_payload)
-        inp.connect(init.inputs[0])
-        out.connect(init.outputs[0])
-        if send_ready_response:
-            await inp.send([wire.encode_ready_response(ready)])
-        if send_ready:
-            await hs.send([wire.encode_ready(local=local, headless=headless)])
+        else:
+            await hs.send([wire.encode_hello(local=local, headless=headless)])
+            (init_payload,) = await hs.recv_multipart()
+            init = wire.decode_init(init_payload)
+            inp.connect(init.inputs[0])
+            out.connect(init.outputs[0])
+            if send_ready_response:
+                await inp.send([wire.encode_ready_response(ready)])
+            if send_ready:
+                await hs.send([wire.encode_ready(local=local, headless=headless)])
     except BaseException:
         inp.close()
         out.close()
+        hs.close()
         raise
-    finally:
-        # vLLM's engine lingers 5 s on this socket so READY is not lost.
-        hs.close(linger_ms=5000)
+    if not send_ready:
+        return EngineSockets(inp, out, engine_index, hs)
+    # vLLM's engine lingers 5 s on this socket so READY is not lost (TokenSpeed's too).
+    hs.close(linger_ms=5000)
     return EngineSockets(inp, out, engine_index)
