@@ -777,13 +777,8 @@ class EngineClient:
         if p.inflight or p.pending_utility_calls:
             with trio.move_on_after(limits.OUTPUT_DROP_GRACE):
                 await self._ending.wait()
-        if p.state is not LinkState.READY:
-            return
-        if p.gone is not None:
-            await self._route_queued()
-            if p.state is LinkState.READY:
-                p.engine_died(p.gone)
-            return
+        if p.state is not LinkState.READY or p.gone is not None:
+            return  # dead, or a death sign: the pump's loop declares it (_outputs_then_death)
         p.output_lost(
             f"engine {self.engine_index}'s output connection ({endpoint}) was dropped, by libzmq for a frame above "
             f"MAX_FRAME_BYTES ({limits.MAX_FRAME_BYTES} bytes, ZMQ_MAXMSGSIZE) or by a broken link: outputs on it "
