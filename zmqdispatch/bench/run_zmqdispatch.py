@@ -216,6 +216,7 @@ class Runner:
                 async for d in stream:
                     counts[i] += len(d.token_ids)
 
+        msgs0 = client.protocol.messages_received
         cpu0, t0 = time.process_time(), time.monotonic()
         for rep in range(cmd.get("repeats", 1)):
             async with trio.open_nursery() as nursery:
@@ -223,7 +224,7 @@ class Runner:
                     nursery.start_soon(one, rep, i)
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
         return {"client": "zmqdispatch", "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
-                "client_cpu_s": cpu}
+                "client_cpu_s": cpu, "engine_messages": client.protocol.messages_received - msgs0}
 
 
 async def amain(args: argparse.Namespace, out: TextIO) -> None:
