@@ -901,12 +901,14 @@ async def _handshake(
     input socket, in either order). vLLM 0.32 ``vllm_wire.md`` section 5.1.
 
     *monitor* (``EVENT_ACCEPTED | EVENT_DISCONNECTED`` of *hs*): the engine
-    keeps its handshake connection open from HELLO to READY (model loading
-    included); when it closes in between and no READY follows within
-    ``limits.OUTPUT_DROP_GRACE``, the engine is gone: ``EngineHandshakeError``
-    at once instead of after *timeout*."""
+    keeps its handshake connection open from HELLO until it has sent both
+    READY and its ready response (model loading included; vLLM sends the
+    ready response first, TokenSpeed READY first); when it closes in between
+    and the handshake does not complete within ``limits.OUTPUT_DROP_GRACE``
+    (what was sent before the close is still read), the engine is gone:
+    ``EngineHandshakeError`` at once instead of after *timeout*."""
     result: dict[str, Any] = {}
-    ready_seen = trio.Event()
+    complete = trio.Event()  # READY and the ready response both received
 
     def stage() -> str:
         if "identity" not in result:
@@ -929,13 +931,19 @@ async def _handshake(
                 if "identity" in result:
                     raise EngineHandshakeError(f"second HELLO (identity {identity.hex()}) during the handshake")
                 result["identity"] = identity
-                await hs.send([identity, wire.encode_init(inputs=[input_address], outputs=[output_address])])
+                try:
+                    await hs.send([identity, wire.encode_init(inputs=[input_address], outputs=[output_address])])
+                except PeerUnreachable:
+                    raise EngineHandshakeError(
+                        "the engine closed its handshake connection right after HELLO (it exited or crashed)"
+                    ) from None
                 inp_ready_started.set()
             elif status.status == "READY":
                 if result.get("identity") != identity:
                     raise EngineHandshakeError(f"READY from identity {identity.hex()} before its HELLO")
                 result["ready_status"] = status
-                ready_seen.set()
+                if "ready" in result:
+                    complete.set()
                 return
             else:
                 raise EngineHandshakeError(f"unexpected handshake status {status.status!r}")
@@ -952,6 +960,8 @@ async def _handshake(
             result["ready"] = wire.decode_ready_response(payload)
         except RemoteProtocolError as exc:
             raise EngineHandshakeError(f"bad EngineCoreReadyResponse: {exc}") from exc
+        if "ready_status" in result:
+            complete.set()
 
     async def watch_process() -> None:
         assert process is not None
@@ -963,16 +973,19 @@ async def _handshake(
         fds: set[int] = set()
         while True:
             event, value, _ = parse_monitor_event(await monitor.recv_multipart())
-            if _engine_gone(fds, event, value) and "identity" in result and not ready_seen.is_set():
-                # A READY sent right before the close is still readable: give it the grace.
+            if _engine_gone(fds, event, value):
+                # What was sent right before the close (a HELLO, READY) is
+                # still readable: give it the grace.
                 with trio.move_on_after(limits.OUTPUT_DROP_GRACE):
-                    await ready_seen.wait()
-                if not ready_seen.is_set():
+                    await complete.wait()
+                if complete.is_set():
+                    return
+                if "identity" in result:
                     raise EngineHandshakeError(
                         f"the engine closed its handshake connection while the handshake waited for {stage()}"
                         " (it exited or crashed)"
                     )
-                return
+                # no HELLO came on it: a probe, or an engine not yet started; watch on
 
     inp_ready_started = trio.Event()
     try:

@@ -262,6 +262,41 @@ async def test_an_engine_that_closes_its_handshake_connection_before_ready_fails
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.parametrize("dies", ["right after HELLO", "tokenspeed: after READY, before the ready response"])
+async def test_an_engine_that_dies_at_other_handshake_stages_fails_the_handshake(dies):
+    import zmq
+
+    from zmqdispatch._zmq_trio import ZmqContext
+    from zmqdispatch.wire import tokenspeed as ts
+
+    d = tempfile.mkdtemp(prefix="zqt-")
+    addr = f"ipc://{d}/hs.sock"
+
+    async def dying_engine() -> None:
+        hs = ZmqContext().socket(zmq.DEALER, name="engine-handshake", identity=b"\x00\x00")
+        hs.connect(addr)
+        if dies == "right after HELLO":
+            await hs.send([wire.encode_hello(local=True, headless=False)])
+            hs.close(linger_ms=1000)  # gone before our INIT can reach it
+            return
+        await hs.send([ts.encode_hello()])
+        await hs.recv_multipart()  # INIT
+        await hs.send([ts.encode_ready()])
+        hs.close(linger_ms=1000)  # died before connecting its input socket
+
+    try:
+        with trio.fail_after(GUARD):
+            async with trio.open_nursery() as n:
+                n.start_soon(dying_engine)
+                with pytest.raises(EngineHandshakeError) as ei:
+                    async with connect(addr, config=ClientConfig(handshake_timeout=600)):
+                        pass  # pragma: no cover
+        assert not isinstance(ei.value, EngineHandshakeTimeout)
+        assert "closed its handshake connection" in str(ei.value)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 async def test_cancel_during_handshake_terminates_engine_and_removes_ipc_dir(tmp_path):  # K9c
     info = tmp_path / "child.txt"
     child = (
