@@ -18,7 +18,10 @@ Rules (reference gateway section 1.11, known failure K6):
   cancelled, so their own exits find nothing left to abort).
 - A child that fails (engine error finish, slow consumer, engine death)
   aborts its live siblings in one batched ABORT, cancels them, and the parent
-  raises that **one** typed error, never an ``ExceptionGroup``.
+  raises that **one** typed error, never an ``ExceptionGroup``, after the
+  deltas received before it (a sample that finished on the engine just
+  before a death still delivers its final delta, and after an engine death
+  every sample delivers what it received before it).
 
 Backpressure: a child forwards into a channel of size ``n``; when the parent's
 consumer lags, children wait there and their engine ticks merge in their own
@@ -81,15 +84,29 @@ class ParallelStream:
             self._streams[index].abort()
         self._scopes[index].cancel()
 
-    def _abort_live(self) -> None:
-        """One batched ABORT for every live child, then cancel them all."""
+    def _ended(self, index: int) -> bool:
+        """Sample *index*'s stream has its end in its mailbox (its final
+        output, or its error, e.g. the engine's death), maybe still unread."""
+        mb = self._streams[index]._mailbox
+        return mb is not None and mb.finished
+
+    def _abort_live(self, *, keep_finished: bool = False) -> None:
+        """One batched ABORT for every live child, then cancel them all.
+
+        ``keep_finished`` (a sibling failed, the consumer reads on): a sample
+        whose end already arrived is neither aborted nor cancelled, so what it
+        received before (its last deltas) is forwarded before the error is
+        raised; it ends by itself at once."""
+        keep = {i for i in range(len(self._streams)) if self._ended(i)} if keep_finished else set()
         if self._live:
-            self._retired.update(self._live)
-            for index in self._live:  # by stream (see close_child); one ABORT frame still
+            for index in [i for i in self._live if i not in keep]:
+                # by stream (see close_child); one ABORT frame still
+                self._retired.add(index)
                 self._streams[index].abort()
-            self._live.clear()
-        for scope in self._scopes:
-            scope.cancel()
+                del self._live[index]
+        for index, scope in enumerate(self._scopes):
+            if index not in keep:
+                scope.cancel()
 
     async def _child(self, index: int, stream: RequestStream, send: trio.MemorySendChannel) -> None:
         async with send:
@@ -117,17 +134,18 @@ class ParallelStream:
                     if self._error is None:
                         self._error = exc
                     self._live.pop(index, None)
-                    self._abort_live()
+                    self._abort_live(keep_finished=True)
 
     async def receive(self) -> tuple[int, OutputDelta]:
         """The next ``(index, delta)``.
+
+        After a child failed, the deltas already forwarded and the last ones
+        of samples that had finished on the engine come first, then the error.
 
         Raises:
             trio.EndOfChannel: every child finished.
             the first child error (see the class).
         """
-        if self._error is not None:
-            raise self._error
         try:
             item = await self._recv.receive()
         except trio.EndOfChannel:

@@ -179,6 +179,28 @@ async def test_engine_death_fails_the_parent_with_one_typed_error():
                         pass
 
 
+async def test_a_sample_that_finished_right_before_a_death_still_delivers_its_final_delta():
+    # Nothing lost: sample 0 finished in the engine's last step, then the
+    # engine died. The consumer reads only after the death was declared.
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            got: list[tuple[int, list[int], object]] = []
+            with pytest.raises(EngineDeadError) as ei:
+                async with generate_parallel(client, children(3)) as ps:
+                    for _ in range(3):
+                        await engine.receive_add()
+                    await engine.send_outputs([out("p-0", [7, 8], wire.FinishReason.STOP), out("p-1", [9])])
+                    await engine.send_sentinel()
+                    await client.wait_dead()
+                    await trio.testing.wait_all_tasks_blocked()  # every child has seen its end
+                    async for index, delta in ps:
+                        got.append((index, list(delta.token_ids), delta.finish_reason))
+            assert ei.value.reason == "sentinel"
+            assert (0, [7, 8], wire.FinishReason.STOP) in got
+            # the failing sample's tokens from before the death are delivered too
+            assert [g for g in got if g[0] == 1] == [(1, [9], None)] and not [g for g in got if g[0] == 2]
+
+
 async def test_colliding_child_ids_are_refused_before_anything_is_sent():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
