@@ -414,6 +414,7 @@ class EngineClient:
         self._pump_wait: trio.CancelScope | None = None  # the output pump's wait
         # the engine's output connections past their ZMTP handshake (output watch)
         self._output_links = 0
+        self._output_link_up = trio.Event()  # set (and replaced) by the output watch on a new link
         self.stray_output_connections = 0  # closed before their ZMTP handshake
 
     def __repr__(self) -> str:
@@ -749,6 +750,8 @@ class EngineClient:
                 event, _, endpoint = parse_monitor_event(await sock.recv_multipart())
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._output_links += 1
+                    self._output_link_up.set()
+                    self._output_link_up = trio.Event()
                 elif event & _HANDSHAKE_FAILED:
                     stray = True
                 elif event == zmq.EVENT_DISCONNECTED:
@@ -784,6 +787,24 @@ class EngineClient:
             f"MAX_FRAME_BYTES ({limits.MAX_FRAME_BYTES} bytes, ZMQ_MAXMSGSIZE) or by a broken link: outputs on it "
             "may be lost"
         )
+        if self.config.death_on_disconnect and self._output_links == 0:
+            await self._await_output_link()
+
+    async def _await_output_link(self) -> None:
+        """No output connection is left: wait ``limits.OUTPUT_RECONNECT_GRACE``
+        for the engine's PUSH to reconnect, else declare the engine dead (it
+        can send nothing; new requests would wait for ``silence_timeout``)."""
+        p = self._protocol
+        with trio.CancelScope(deadline=trio.current_time() + limits.OUTPUT_RECONNECT_GRACE) as self._pump_wait:
+            while self._output_links == 0:
+                await self._output_link_up.wait()
+        self._pump_wait = None
+        if self._output_links == 0 and p.state is LinkState.READY and p.gone is None:
+            self._died(
+                "output_disconnected",
+                f"engine {self.engine_index}'s output connection closed and did not come back within "
+                f"{limits.OUTPUT_RECONNECT_GRACE} s (limits.OUTPUT_RECONNECT_GRACE)",
+            )
 
     async def _process_watch(self) -> None:
         assert self._process is not None

@@ -210,7 +210,10 @@ class EngineDeadError(EngineError):
         reason: a short machine-readable cause: ``"sentinel"`` (``ENGINE_CORE_DEAD``),
             ``"process_exit"``, ``"unreachable"`` (EHOSTUNREACH on send),
             ``"send_timeout"`` (the engine stopped reading its input),
-            ``"decode_errors"``, ``"silence"`` or ``"closed"`` (the client shut down).
+            ``"decode_errors"``, ``"silence"``, ``"disconnected"`` (its input
+            connection closed), ``"output_disconnected"`` (its output
+            connection closed and did not come back) or ``"closed"`` (the
+            client shut down).
     """
 
     def __init__(self, message: str, *, engine_index: int | None = None, reason: str) -> None:

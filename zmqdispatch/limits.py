@@ -144,3 +144,11 @@ MAX_ORPHAN_IDS = 65_536
 #: connection drops as well, so the engine's last outputs (and its sentinel)
 #: are routed before the death is declared.
 OUTPUT_DROP_GRACE = 0.25
+
+#: Seconds an engine may be without an output connection after a drop before
+#: it is declared dead (``reason="output_disconnected"``; only with
+#: ``ClientConfig.death_on_disconnect``): an engine that cannot send outputs
+#: serves nothing, and new requests would wait for ``silence_timeout``.
+#: libzmq's PUSH reconnects 100 ms after a drop (``ZMQ_RECONNECT_IVL``), so a
+#: live engine is back well within it.
+OUTPUT_RECONNECT_GRACE = 2.0

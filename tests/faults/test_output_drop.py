@@ -14,7 +14,9 @@ before it, waits ``limits.OUTPUT_DROP_GRACE`` for a death signal (a dying engine
 closes its input connection or exits at the same time: that stays a death with
 ``EngineDeadError``), and otherwise fails every request whose ADD reached the
 engine and every pending utility call with ``RemoteProtocolError`` naming the
-limit, and aborts the requests. The link stays up.
+limit, and aborts the requests. The link stays up while the engine's PUSH reconnects (within
+``limits.OUTPUT_RECONNECT_GRACE``); an output connection that never comes back
+is death (``reason="output_disconnected"``, with ``death_on_disconnect``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import trio
 from zmqdispatch import EngineDeadError, RemoteProtocolError, limits
 from zmqdispatch.wire import vllm as wire
 
-from ..client.conftest import fake_pair
+from ..client.conftest import fake_pair, mock_clock  # noqa: F401  (mock_clock: a fixture, autojump after 50 ms of real idleness)
 from ..helpers import make_request
 from .engines import GUARD
 
@@ -141,6 +143,28 @@ async def test_an_engine_closing_both_connections_is_death_for_every_stream_neve
                     assert exc.reason in ("disconnected", "unreachable")
                     await s.__aexit__(None, None, None)
                 assert client.death.reason in ("disconnected", "unreachable")
+
+
+async def test_an_output_connection_that_never_comes_back_is_death_not_a_healthy_client(mock_clock):
+    # Only the engine's output socket closed (its output thread is gone): the
+    # requests in flight fail at once, and since no output connection comes
+    # back within OUTPUT_RECONNECT_GRACE the engine is declared dead, so new
+    # requests are refused instead of waiting for silence_timeout.
+    async with fake_pair(silence_timeout=600) as (engine, client):
+        with trio.fail_after(GUARD):
+            async with client.generate(make_request("r1", max_tokens=1000)) as s:
+                await engine.receive_add()
+                engine.socks.output.close()
+                t0 = trio.current_time()
+                tokens, exc = await collect_until_error(s)
+                assert tokens == [] and type(exc) is RemoteProtocolError
+            cause = await client.wait_dead()
+            assert cause.reason == "output_disconnected" and "did not come back" in str(cause)
+            waited = trio.current_time() - t0
+            assert limits.OUTPUT_RECONNECT_GRACE <= waited < limits.OUTPUT_RECONNECT_GRACE + limits.OUTPUT_DROP_GRACE + 0.5
+            assert not client.is_alive
+            with pytest.raises(EngineDeadError):
+                client.generate(make_request("r2"))
 
 
 async def test_without_death_on_disconnect_a_vanished_engine_fails_its_streams_at_once_not_after_silence():
