@@ -406,6 +406,7 @@ class EngineClient:
         def on_death(exc: EngineDeadError) -> None:
             self._dead.set()
             self._ending.set()
+            self._wake_link_wait()
 
         protocol.on_death = on_death
         # the engine's output connection dropped (set by _output_monitor_watch)
@@ -414,7 +415,8 @@ class EngineClient:
         self._pump_wait: trio.CancelScope | None = None  # the output pump's wait
         # the engine's output connections past their ZMTP handshake (output watch)
         self._output_links = 0
-        self._output_link_up = trio.Event()  # set (and replaced) by the output watch on a new link
+        # _await_output_link's wait: cancelled by a new output link, a death sign or a death
+        self._link_wait: trio.CancelScope | None = None
         self.stray_output_connections = 0  # closed before their ZMTP handshake
 
     def __repr__(self) -> str:
@@ -593,8 +595,13 @@ class EngineClient:
         if p.state is LinkState.READY and p.gone is None:
             p.engine_gone(EngineDeadError(message, engine_index=self.engine_index, reason=reason))
             self._ending.set()
+            self._wake_link_wait()
             if self._pump_wait is not None:
                 self._pump_wait.cancel()
+
+    def _wake_link_wait(self) -> None:
+        if self._link_wait is not None:
+            self._link_wait.cancel()
 
     def _route(self, batch: list[list[bytes]]) -> None:
         p = self._protocol
@@ -750,8 +757,7 @@ class EngineClient:
                 event, _, endpoint = parse_monitor_event(await sock.recv_multipart())
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._output_links += 1
-                    self._output_link_up.set()
-                    self._output_link_up = trio.Event()
+                    self._wake_link_wait()
                 elif event & _HANDSHAKE_FAILED:
                     stray = True
                 elif event == zmq.EVENT_DISCONNECTED:
@@ -795,10 +801,15 @@ class EngineClient:
         for the engine's PUSH to reconnect, else declare the engine dead (it
         can send nothing; new requests would wait for ``silence_timeout``)."""
         p = self._protocol
-        with trio.CancelScope(deadline=trio.current_time() + limits.OUTPUT_RECONNECT_GRACE) as self._pump_wait:
-            while self._output_links == 0:
-                await self._output_link_up.wait()
-        self._pump_wait = None
+        # Its own scope: further drops (a reconnected link dropped again before
+        # this task ran) do not end the wait; only the deadline, a new link, a
+        # death sign or a death do.
+        with trio.move_on_after(limits.OUTPUT_RECONNECT_GRACE):
+            while self._output_links == 0 and p.state is LinkState.READY and p.gone is None:
+                with trio.CancelScope() as self._link_wait:
+                    await trio.sleep_forever()
+                self._link_wait = None
+        self._link_wait = None
         if self._output_links == 0 and p.state is LinkState.READY and p.gone is None:
             self._died(
                 "output_disconnected",

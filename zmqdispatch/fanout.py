@@ -19,9 +19,8 @@ Rules (reference gateway section 1.11, known failure K6):
 - A child that fails (engine error finish, slow consumer, engine death)
   aborts its live siblings in one batched ABORT, cancels them, and the parent
   raises that **one** typed error, never an ``ExceptionGroup``, after the
-  deltas received before it (a sample that finished on the engine just
-  before a death still delivers its final delta, and after an engine death
-  every sample delivers what it received before it).
+  deltas every sample had received before it (a sample that finished on the
+  engine just before a death still delivers its final delta).
 
 Backpressure: a child forwards into a channel of size ``n``; when the parent's
 consumer lags, children wait there and their engine ticks merge in their own
@@ -84,28 +83,27 @@ class ParallelStream:
             self._streams[index].abort()
         self._scopes[index].cancel()
 
-    def _ended(self, index: int) -> bool:
-        """Sample *index*'s stream has its end in its mailbox (its final
-        output, or its error, e.g. the engine's death), maybe still unread."""
-        mb = self._streams[index]._mailbox
-        return mb is not None and mb.finished
-
-    def _abort_live(self, *, keep_finished: bool = False) -> None:
+    def _abort_live(self, *, drain: bool = False) -> None:
         """One batched ABORT for every live child, then cancel them all.
 
-        ``keep_finished`` (a sibling failed, the consumer reads on): a sample
-        whose end already arrived is neither aborted nor cancelled, so what it
-        received before (its last deltas) is forwarded before the error is
-        raised; it ends by itself at once."""
-        keep = {i for i in range(len(self._streams)) if self._ended(i)} if keep_finished else set()
+        ``drain`` (a sibling failed, the consumer reads on): nobody is
+        cancelled. The live samples are aborted on the engine by mailbox, which
+        keeps what they had received (a stream's tokens come before its
+        abort), so every child forwards what arrived before the failure (a
+        final delta of a sample that finished just before a death included)
+        and then ends by itself at once; the parent raises the error after."""
         if self._live:
-            for index in [i for i in self._live if i not in keep]:
-                # by stream (see close_child); one ABORT frame still
+            protocol = self._client._protocol
+            for index in self._live:  # by stream/mailbox (see close_child); one ABORT frame still
                 self._retired.add(index)
-                self._streams[index].abort()
-                del self._live[index]
-        for index, scope in enumerate(self._scopes):
-            if index not in keep:
+                stream = self._streams[index]
+                if drain and stream._mailbox is not None:
+                    protocol.abort_mailbox(stream._mailbox)
+                else:
+                    stream.abort()
+            self._live.clear()
+        if not drain:
+            for scope in self._scopes:
                 scope.cancel()
 
     async def _child(self, index: int, stream: RequestStream, send: trio.MemorySendChannel) -> None:
@@ -134,7 +132,7 @@ class ParallelStream:
                     if self._error is None:
                         self._error = exc
                     self._live.pop(index, None)
-                    self._abort_live(keep_finished=True)
+                    self._abort_live(drain=True)
 
     async def receive(self) -> tuple[int, OutputDelta]:
         """The next ``(index, delta)``.

@@ -201,6 +201,26 @@ async def test_a_sample_that_finished_right_before_a_death_still_delivers_its_fi
             assert [g for g in got if g[0] == 1] == [(1, [9], None)] and not [g for g in got if g[0] == 2]
 
 
+async def test_a_failing_sample_never_drops_what_its_siblings_had_received():
+    # The consumer lags: p-0 has tokens queued when p-1 fails. They are
+    # delivered (p-0 is aborted on the engine, not cancelled), then the error.
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+            with pytest.raises(EngineRequestError):
+                async with generate_parallel(client, children(3)) as ps:
+                    for _ in range(3):
+                        await engine.receive_add()
+                    await engine.send_outputs([out("p-0", [1]), out("p-2", [5])])
+                    await engine.send_outputs([out("p-0", [2])])
+                    await engine.send_outputs([out("p-0", [3]), out("p-1", [], wire.FinishReason.ERROR)])
+                    assert await engine.receive_abort() == ("p-0", "p-2")  # one frame, before any read
+                    async for index, delta in ps:
+                        got[index] += delta.token_ids
+            assert got == {0: [1, 2, 3], 1: [], 2: [5]}
+            assert client.protocol.inflight == 0
+
+
 async def test_colliding_child_ids_are_refused_before_anything_is_sent():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):

@@ -105,6 +105,31 @@ async def test_a_drop_with_nothing_in_flight_is_only_counted(small_frames):
             assert client.protocol.output_drops == 1
 
 
+async def test_drops_in_a_row_never_kill_an_engine_that_reconnects(small_frames):
+    # The engine's PUSH reconnects and its next frame is oversized too: the
+    # reconnect and the second drop can both be seen before the output pump
+    # runs. The engine is back each time: never a death. (Over real sockets
+    # the ordering is not forced; three rounds of back-to-back drops make it
+    # likely.)
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            for round_ in range(3):
+                drops = client.protocol.output_drops
+                await engine.send_tokens("gone", BIG)
+                await engine.send_tokens("gone", BIG)
+                while client.protocol.output_drops == drops or not client._output_links:
+                    await trio.sleep(0.01)  # waits for a drop and the reconnect to be seen
+            # longer than the reconnect grace after the first drop
+            with trio.move_on_after(limits.OUTPUT_RECONNECT_GRACE + 0.5):
+                await client.wait_dead()
+            assert client.is_alive, client.death
+            assert client.protocol.output_drops >= 3
+            async with client.generate(make_request("r1")) as s:
+                await engine.receive_add()
+                await engine.send_tokens("r1", [4], finish=wire.FinishReason.STOP)
+                assert [d.token_ids async for d in s] == [[4]]
+
+
 async def test_a_stray_connection_to_the_output_socket_fails_nothing():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
