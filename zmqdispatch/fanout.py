@@ -17,10 +17,11 @@ Rules (reference gateway section 1.11, known failure K6):
   batched ABORT (one synchronous ``abort`` call before the children are
   cancelled, so their own exits find nothing left to abort).
 - A child that fails (engine error finish, slow consumer, engine death)
-  aborts its live siblings in one batched ABORT, cancels them, and the parent
-  raises that **one** typed error, never an ``ExceptionGroup``, after the
-  deltas every sample had received before it (a sample that finished on the
-  engine just before a death still delivers its final delta).
+  aborts its live siblings in one batched ABORT, and the parent raises that
+  **one** typed error, never an ``ExceptionGroup``, after the deltas every
+  sample had received before it: the siblings are aborted by mailbox, not
+  cancelled, so they forward what they hold and end at once (a sample that
+  finished on the engine just before a death still delivers its final delta).
 
 Backpressure: a child forwards into a channel of size ``n``; when the parent's
 consumer lags, children wait there and their engine ticks merge in their own
@@ -84,7 +85,8 @@ class ParallelStream:
         self._scopes[index].cancel()
 
     def _abort_live(self, *, drain: bool = False) -> None:
-        """One batched ABORT for every live child, then cancel them all.
+        """One batched ABORT for every live child, then cancel every child
+        (leaving the parent, an outside cancellation).
 
         ``drain`` (a sibling failed, the consumer reads on): nobody is
         cancelled. The live samples are aborted on the engine by mailbox, which
@@ -137,8 +139,8 @@ class ParallelStream:
     async def receive(self) -> tuple[int, OutputDelta]:
         """The next ``(index, delta)``.
 
-        After a child failed, the deltas already forwarded and the last ones
-        of samples that had finished on the engine come first, then the error.
+        After a child failed, every delta the samples had received before
+        the failure comes first, then the error.
 
         Raises:
             trio.EndOfChannel: every child finished.

@@ -71,8 +71,9 @@ async def dial(
 
     ``send_ready_response`` / ``send_ready`` = False script a handshake that
     never completes (fault injection); without READY the handshake connection
-    stays open (in ``EngineSockets.handshake``), as a slow engine's does. ``input_rcvhwm`` is 0 (unbounded) as in
-    vLLM; a small value lets a test make the client's sends block.
+    stays open (in ``EngineSockets.handshake``), as a slow engine's does.
+    ``input_rcvhwm`` is 0 (unbounded) as in vLLM; a small value lets a test
+    make the client's sends block.
 
     Cancellation: the sockets created so far are closed.
     """
