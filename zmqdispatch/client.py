@@ -808,7 +808,6 @@ class EngineClient:
             while self._output_links == 0 and p.state is LinkState.READY and p.gone is None:
                 with trio.CancelScope() as self._link_wait:
                     await trio.sleep_forever()
-                self._link_wait = None
         self._link_wait = None
         if self._output_links == 0 and p.state is LinkState.READY and p.gone is None:
             self._died(
