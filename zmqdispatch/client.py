@@ -1183,7 +1183,11 @@ async def connect(
                         argv,
                         stdin=subprocess.DEVNULL,
                         stdout=launch_stdout if launch_stdout is not None else sys.stderr.fileno(),
-                        start_new_session=True,
+                        # A process group of its own (so a stop reaches its workers too), but
+                        # inside the caller's session: a new session is a new scheduling
+                        # autogroup, and a busy-polling engine there starves the client
+                        # (docs/deployment.md).
+                        process_group=0,
                     )
                 except OSError as exc:
                     raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc

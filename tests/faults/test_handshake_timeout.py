@@ -52,7 +52,7 @@ async def test_handshake_timeout_kills_the_spawned_engine_and_its_whole_process_
     assert timeout <= elapsed < timeout + grace + 3.0
     assert info.exists(), "the engine wrapper did not start within the handshake timeout (machine overloaded?)"
     engine_pid, pgid, worker_pid = map(int, info.read_text().split())
-    assert pgid == engine_pid  # start_new_session: the engine leads its group
+    assert pgid == engine_pid  # process_group=0: the engine leads its own group
     assert proc_state(engine_pid) in (None, "Z")
     assert proc_state(worker_pid) in (None, "Z")  # ignored SIGTERM: SIGKILLed with the group
     assert live_group_members(pgid) == []
