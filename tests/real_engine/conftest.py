@@ -126,9 +126,11 @@ def started_engine(vllm_py: str, model_dir: str, *extra_args: str, prefix: str =
         silence_timeout=60,
     )
     handshake = f"ipc://{d}/hs.sock"
+    # In the test's own session: a busy-polling engine in another session (its
+    # own scheduling autogroup) starves the test's client (docs/deployment.md).
     log = open(os.path.join(d, "engine.log"), "wb")
     proc = subprocess.Popen(engine_argv(vllm_py, model_dir, handshake) + list(extra_args), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, process_group=0)
 
     async def handshake_once() -> EngineSession:
         async with connect(handshake, config=cfg) as client:
