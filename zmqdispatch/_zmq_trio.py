@@ -1,6 +1,6 @@
 """The only module that calls pyzmq: single-owner sockets driven under trio.
 
-Rules (``trio_zmq.md``, measured on this machine kind):
+Rules (``docs/trio-and-zmq.md`` §1, measured on this machine kind):
 
 1. **One owner task per socket, one direction per socket** after startup. The
    ``zmq.FD`` is edge-triggered and *any* zmq call on the socket may consume the
@@ -264,7 +264,7 @@ class TrioSocket:
                     # Read EVENTS before waiting: it processes libzmq's commands
                     # unthrottled (a send does so at most once per ~1 ms), and
                     # once it reports "no room" the next change rings the fd
-                    # (trio_zmq.md section 2.2).
+                    # (docs/trio-and-zmq.md §2.2).
                     if self._sock.getsockopt(zmq.EVENTS) & _POLLOUT:
                         if self._try_send(frames):
                             return

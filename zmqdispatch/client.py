@@ -8,7 +8,7 @@ binds, the engine dials in)::
     input     ROUTER (bind) <- engine DEALER   ready response, then ADD/ABORT/UTILITY
     output    PULL   (bind) <- engine PUSH     EngineCoreOutputs, ENGINE_CORE_DEAD
 
-Task tree inside the nursery (one owner task per socket, trio_zmq.md section 8)::
+Task tree inside the nursery (one owner task per socket, ``docs/trio-and-zmq.md`` §8)::
 
     output pump   owns PULL: recv_batch -> EngineProtocol.frames_received (sync routing)
     input pump    owns ROUTER: EngineProtocol.pop_send -> bounded send
@@ -22,7 +22,7 @@ Per-request streams are *not* tasks: :meth:`EngineClient.generate` returns a
 over :class:`~zmqdispatch.protocol.mailbox.OutputDelta`. Leaving it before the
 final output aborts the request on the engine, synchronously, so it works even
 when the exit is a cancellation (an ``await`` in a cancelled scope would raise
-``Cancelled`` and lose the ABORT; known failure K7).
+``Cancelled`` and lose the ABORT; ``docs/known-failures.md`` K7).
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ class EngineSession:
     vLLM's engine handshakes once, then keeps dialing the input/output
     addresses it was given: a client that re-binds the same addresses gets the
     engine back (its DEALER and PUSH reconnect on their own; outputs queued
-    meanwhile are delivered and dropped as unknown ids). ``vllm_headless.md``
-    section 6. Only sessions with explicitly configured
+    meanwhile are delivered and dropped as unknown ids). ``docs/vllm-wire.md``
+    §6. Only sessions with explicitly configured
     ``input_address`` / ``output_address`` can be resumed.
 
     ``orphan_ids`` are requests the engine may still be running for nobody
@@ -541,7 +541,7 @@ class EngineClient:
         """Call ``EngineCore.<method>(*args)`` on the engine and return its result.
 
         Wire: UTILITY ``[client_index, call_id, method, args]``; the reply is an
-        ``EngineCoreOutputs`` carrying ``utility_output`` (vLLM 0.32 section 5.7).
+        ``EngineCoreOutputs`` carrying ``utility_output`` (``docs/vllm-wire.md`` §5.7).
 
         Raises:
             UtilityCallTimeout: no reply within *timeout* (default
@@ -929,7 +929,7 @@ async def _handshake(
     monitor: TrioSocket | None = None,
 ) -> tuple[bytes, wire.EngineCoreReadyResponse]:
     """HELLO -> INIT -> (READY on the handshake socket, ready response on the
-    input socket, in either order). vLLM 0.32 ``vllm_wire.md`` section 5.1.
+    input socket, in either order). vLLM 0.32, ``docs/vllm-wire.md`` §5.1.
 
     *monitor* (``EVENT_ACCEPTED | EVENT_DISCONNECTED`` of *hs*): the engine
     keeps its handshake connection open from HELLO until it has sent both
@@ -1246,7 +1246,8 @@ async def connect(
                 finally:
                     client._closing = True
                     # Streams still open (held by other tasks) would otherwise
-                    # keep decoding on an engine we did not start (K7).
+                    # keep decoding on an engine we did not start
+                    # (docs/known-failures.md K7).
                     closed = EngineDeadError("the engine client is closed", engine_index=engine_index, reason="closed")
                     protocol.abort(protocol.live_request_ids(), error=closed)
                     client._flush_aborts_nowait()

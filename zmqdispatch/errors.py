@@ -106,7 +106,7 @@ class DuplicateRequestIdError(RequestRejected):
     """A request with this id is still live on the connection.
 
     vLLM's scheduler asserts on a duplicate live id and the whole engine dies
-    (``vllm_wire.md`` section 5.8), so the client refuses it first.
+    (``docs/vllm-wire.md`` §5.8), so the client refuses it first.
     """
 
 
@@ -184,7 +184,7 @@ class RequestStreamClosed(RequestError):
     """The stream was used after it was closed, or the connection closed under it.
 
     A stream never ends "cleanly" without a terminal output: truncation is
-    always this error (SMG lesson 11a).
+    always this error (``docs/reference-gateway-lessons.md`` lesson 11a).
     """
 
 

@@ -7,7 +7,7 @@ each child stream as a sibling task in one nursery. Their deltas merge into
 the parent's :class:`ParallelStream` tagged with the child's index, in order
 within each child (no order across children).
 
-Rules (reference gateway section 1.11, known failure K6):
+Rules (``docs/reference-gateway-lessons.md`` §1.1, ``docs/known-failures.md`` K6):
 
 - Admission is all or nothing: every child id is checked against the live
   requests (and the others) before any ADD is queued.

@@ -59,7 +59,7 @@ MAX_TOKEN_ID = 2**32 - 1
 #: Seconds TokenSpeed keeps an ABORT for a request id it does not know (it
 #: arrived after the request finished) and applies it to the next request with
 #: that id, without any output (TokenSpeed 0.1.1 ``request_handler``,
-#: ``tokenspeed_wire.md`` 1.11). A request reusing such an id within this time
+#: ``docs/tokenspeed-wire.md`` §1.11). A request reusing such an id within this time
 #: travels under a fresh engine-side id (``EngineProtocol.submit``).
 TOKENSPEED_ABORT_PARK_SECONDS = 300.0
 
@@ -83,8 +83,9 @@ MAX_ABORTED_IDS = 65_536
 DEFAULT_HANDSHAKE_TIMEOUT = 600.0
 
 #: Seconds one input send may wait on a full pipe (the engine stopped reading)
-#: before the engine is declared dead (``reason="send_timeout"``). SMG uses 10 s
-#: (its lesson 4: an unbounded send froze the whole client).
+#: before the engine is declared dead (``reason="send_timeout"``). The reference
+#: gateway uses 10 s (``docs/reference-gateway-lessons.md`` lesson 4: an unbounded
+#: send froze the whole client).
 DEFAULT_SEND_TIMEOUT = 10.0
 
 #: Messages queued towards one engine before sends block (``SNDHWM``); with
@@ -99,7 +100,7 @@ DEFAULT_SEND_HWM = 10_000
 DEFAULT_SILENCE_TIMEOUT = 300.0
 
 #: Consecutive undecodable output messages that mean "schema mismatch or broken
-#: engine" (SMG lesson 16 uses 3).
+#: engine" (the reference gateway uses 3: ``docs/reference-gateway-lessons.md`` lesson 16).
 DEFAULT_MAX_DECODE_ERRORS = 3
 
 #: Tokens buffered for one stream whose consumer is not reading, before only
@@ -111,7 +112,7 @@ DEFAULT_MAX_PENDING_TOKENS = 64 * 1024
 DEFAULT_UTILITY_TIMEOUT = 30.0
 
 #: Output messages drained from the PULL socket before the pump yields to other
-#: tasks (trio_zmq.md section 2.1, case 5: an unbounded drain starves everyone).
+#: tasks (``docs/trio-and-zmq.md`` §2.1, case 5: an unbounded drain starves everyone).
 RECV_BATCH_LIMIT = 256
 
 #: Input messages handed to the socket in one go before the input pump yields

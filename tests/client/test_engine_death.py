@@ -1,5 +1,5 @@
 """Engine death: every open stream fails with one typed error, new requests are
-refused, nothing hangs. Known failures K8, K9, K12 and the death sources of the
+refused, nothing hangs. Known failures K8, K9, K12 (docs/known-failures.md) and the death sources of the
 transport issue (sentinel, process exit, EHOSTUNREACH/disconnect, decode-error
 streak, silence, wedged input)."""
 

@@ -1,5 +1,5 @@
 """n > 1: sibling sub-requests merged into one stream and cancelled together
-(known failure K6), against the scripted fake engine over real sockets."""
+(docs/known-failures.md K6), against the scripted fake engine over real sockets."""
 
 from __future__ import annotations
 

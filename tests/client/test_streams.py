@@ -1,6 +1,6 @@
 """Client + FakeEngine over real sockets: streaming, aborts, utility calls.
 
-Known failures replayed: K2 (cancelled receive loses nothing), K3 (break out of
+Known failures replayed (docs/known-failures.md): K2 (cancelled receive loses nothing), K3 (break out of
 a stream), K4 (slow consumer does not block others), K6-style batching of
 aborts, K7 (cancellation always aborts), K1 (submit while streaming).
 """

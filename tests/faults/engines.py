@@ -25,7 +25,7 @@ def mock_argv(handshake_address: str = "{handshake_address}", *extra: str) -> li
 
 def fixed_addresses(d: Path, **config: object) -> tuple[str, ClientConfig]:
     """``(handshake_address, config)`` with fixed ipc data-plane addresses in *d*,
-    as a restartable front-end uses them (``vllm_headless.md`` section 6)."""
+    as a restartable front-end uses them (``docs/vllm-wire.md`` §6)."""
     cfg = ClientConfig(input_address=f"ipc://{d}/in.sock", output_address=f"ipc://{d}/out.sock", **config)
     return f"ipc://{d}/hs.sock", cfg
 

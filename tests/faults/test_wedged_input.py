@@ -15,7 +15,7 @@ What "stops reading" does on the wire depends on where it stops:
   means ``send_timeout`` alone does not protect against a dead input thread.
 
 What "back on the same addresses" means with vLLM's topology
-(``vllm_headless.md`` section 6): an engine keeps re-dialing the fixed
+(``docs/vllm-wire.md`` §6): an engine keeps re-dialing the fixed
 input/output addresses it got in its handshake, and never handshakes again.
 So
 

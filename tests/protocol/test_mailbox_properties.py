@@ -1,4 +1,4 @@
-"""Known failure K5: no token lost or duplicated, whatever the batching and the
+"""Known failure K5 (docs/known-failures.md): no token lost or duplicated, whatever the batching and the
 consumer's pace; the finish is delivered exactly once, last."""
 
 from __future__ import annotations

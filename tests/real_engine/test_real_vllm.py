@@ -205,8 +205,8 @@ def free_port() -> int:
 
 async def test_vllm_serve_headless_generate_then_sigterm_mid_stream(vllm_py, model_dir, reference):
     """The deployment path: ``vllm serve --headless`` dials our tcp handshake.
-    SIGTERM of the serve parent mid-stream (no final output, vllm_headless.md
-    section 7) must end the stream with EngineDeadError, not a hang."""
+    SIGTERM of the serve parent mid-stream (no final output, docs/vllm-wire.md
+    §7) must end the stream with EngineDeadError, not a hang."""
     port = free_port()
     argv = [vllm_py, str(SCRIPTS / "vllm_cli.py"), "serve", model_dir, "--headless", "--data-parallel-size", "1",
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port), "--load-format", "dummy",
@@ -241,7 +241,7 @@ async def test_vllm_serve_headless_generate_then_sigterm_mid_stream(vllm_py, mod
 
 async def test_sigterm_of_a_launched_engine_ends_the_stream(vllm_py, model_dir):
     """A launched EngineCore on SIGTERM finishes in-flight requests with ABORT
-    (vllm_wire.md 5.9) and exits: the stream ends promptly, either with that
+    (docs/vllm-wire.md §5.9) and exits: the stream ends promptly, either with that
     engine-side abort or the typed death error, and the client is dead."""
     argv = engine_argv(vllm_py, model_dir, "{handshake_address}")
     with trio.fail_after(300):

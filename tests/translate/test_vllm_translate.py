@@ -118,7 +118,7 @@ def test_truncate_prompt_tokens_keeps_the_last_k():
 
 
 def test_eos_as_vllms_front_end_sets_it():
-    # reference gateway 4.4: eos = (5, [7]); user stop ids [7, 9]
+    # docs/reference-gateway-lessons.md §1.4: eos = (5, [7]); user stop ids [7, 9]
     sp = params(req(max_tokens=4, stop_token_ids=[7, 9]), eos_token_ids=(5, 7))
     assert sp.eos_token_id == 5 and set(sp.stop_token_ids) == {7, 9} and set(sp.all_stop_token_ids) == {5, 7, 9}
     sp = params(req(max_tokens=4, stop_token_ids=[9], ignore_eos=True), eos_token_ids=(5, 7))
@@ -301,7 +301,7 @@ def test_matched_stop_string():
 
 
 def test_top_logprobs_are_shaped_with_the_sampled_token_deduplicated():
-    # reference gateway 4.5 examples
+    # docs/reference-gateway-lessons.md §1.5 examples
     assert shape_top_logprobs([10, 10, 20], [-0.1, -0.1, -0.3], 2) == ([10, 20], [-0.1, -0.3])
     assert shape_top_logprobs([10, 10, 20], [-0.1, -0.1, -0.3], 1) == ([10], [-0.1])
     assert shape_top_logprobs([10, 20, 30], [-0.5, -0.1, -0.3], 2) == ([10, 20], [-0.5, -0.1])
@@ -329,7 +329,7 @@ def test_logprobs_zero_gives_sampled_logprob_without_top_lists():
 
 
 def test_prompt_logprobs_ride_the_first_token_chunk_and_every_complete():
-    # reference gateway 5.3 vector: prompt [1, 2], prompt_logprobs=1,
+    # docs/reference-gateway-lessons.md §1.6 vector: prompt [1, 2], prompt_logprobs=1,
     # position for token 2 = [(2, -0.5, rank 3), (20, -0.1, rank 1)]
     b = ResponseBuilder(2, prompt_logprobs=1, prompt_token_ids=[1, 2])
     r0 = b.feed(d([], prompt_logprobs=lp([[2, 20]], [[-0.5, -0.1]], [3])))

@@ -1,7 +1,7 @@
 """Golden vectors of TokenSpeed 0.1.1's own encoder, replayed against our codec.
 
-For every case of ``tokenspeed_0.1.1.json`` (section 1.15 of ``tokenspeed_wire.md``, the
-SMG-pinned vectors of ``reference_gateway.md`` 3.5, and a few more cases produced with
+For every case of ``tokenspeed_0.1.1.json`` (``docs/tokenspeed-wire.md`` §1.15: TokenSpeed's
+own encoder, the reference gateway's pinned vectors, and a few more cases produced with
 TokenSpeed 0.1.1's encoder; each case names its ``source``): build the message from the
 case's decoded view with our encoder and require byte equality; decode the golden bytes
 with our decoder and require the decoded view TokenSpeed's own decoder produced; for ADD
@@ -112,7 +112,7 @@ def batch_view(b: ts.TokenSpeedBatch) -> dict[str, Any]:
 
 
 def test_vectors_cover_spec_section_1_15() -> None:
-    section_1_15 = {c["name"] for c in CASES if c["source"].startswith("tokenspeed_wire.md 1.15")}
+    section_1_15 = {c["name"] for c in CASES if c["source"].startswith("docs/tokenspeed-wire.md §1.15 (TokenSpeed")}
     assert section_1_15 == {
         "handshake_hello",
         "abort_r1",

@@ -5,7 +5,7 @@ then emits one ``EngineCoreOutputs`` per step covering every running request,
 and it does so fast enough that the client, not the engine, is what a
 benchmark measures (it reports its own maximum rate to prove it).
 
-Attaching (two ways, both vLLM 0.32's engine side, ``vllm_wire.md`` section 5.1):
+Attaching (two ways, both vLLM 0.32's engine side, ``docs/vllm-wire.md`` §5.1):
 
 - ``--handshake-address ADDR``: dial the client's handshake ROUTER (HELLO ->
   INIT -> ready response on the input socket -> READY), the sequence of

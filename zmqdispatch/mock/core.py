@@ -1,7 +1,7 @@
 """Sans-IO model of a vLLM EngineCore scheduler, faithful where clients can tell.
 
 What it reproduces of the real engine (vLLM 0.32, verified facts in
-``vllm_wire.md`` sections 5.4-5.9):
+``docs/vllm-wire.md`` §5.4-§5.9):
 
 - one ``EngineCoreOutputs`` per step listing every running request that made
   progress; ``new_token_ids`` are deltas; the first output of a request

@@ -2,7 +2,7 @@
 
 Shared by the mock engine program (:mod:`zmqdispatch.mock.server`) and the
 scripted fake engine of the tests (:mod:`zmqdispatch.testing.fake_engine`).
-Sequence (vLLM 0.32 ``EngineCoreProc``, ``vllm_wire.md`` section 5.1):
+Sequence (vLLM 0.32 ``EngineCoreProc``, ``docs/vllm-wire.md`` §5.1):
 
 1. DEALER (identity = engine index, 2 bytes LE) connects to the handshake
    address and sends ``{"status": "HELLO", "local": ..., "headless": ...}``.
@@ -11,7 +11,7 @@ Sequence (vLLM 0.32 ``EngineCoreProc``, ``vllm_wire.md`` section 5.1):
    output address, sends the ``EngineCoreReadyResponse`` on the input DEALER,
    then ``READY`` on the handshake DEALER, and closes the handshake socket.
 
-TokenSpeed 0.1.1 (``tokenspeed=True``, ``tokenspeed_wire.md`` 1.4) runs the
+TokenSpeed 0.1.1 (``tokenspeed=True``, ``docs/tokenspeed-wire.md`` §1.4) runs the
 same exchange with its own maps (HELLO/READY always ``local=true,
 headless=true`` plus a nil ``parallel_config_hash``; the ready response names
 ``block_size`` ``prefix_granularity``) and in another order: READY on the

@@ -7,7 +7,7 @@ It dials in exactly as vLLM's EngineCore (or TokenSpeed's scheduler) does
 one ``BatchTokenIDOutSlim``) per step covering every running request
 (:class:`.core.MockEngineCore`, :class:`.tokenspeed_core.MockTokenSpeedScheduler`).
 
-TokenSpeed differs at the I/O level (``tokenspeed_wire.md`` 1.12): a message
+TokenSpeed differs at the I/O level (``docs/tokenspeed-wire.md`` §1.12): a message
 that does not decode, or an unknown type byte, is dropped and the reader goes
 on; a refused request gets one terminal ``"abort"`` batch; shutdown sends the
 ``ENGINE_CORE_DEAD`` sentinel. The rest of this docstring describes vLLM's.

@@ -1,7 +1,7 @@
 """Sans-IO model of a TokenSpeed 0.1.1 scheduler on its direct msgpack wire.
 
-What it reproduces of the real engine (``tokenspeed_wire.md`` sections 1.8-1.13,
-checklist 2.4), so clients can be tested against its quirks:
+What it reproduces of the real engine (``docs/tokenspeed-wire.md`` §1.8-§1.13 and
+the mock checklist of §2), so clients can be tested against its quirks:
 
 - admission as TokenSpeed's msgpack receiver does it: the ADD is finalized
   (``seed = crc32(rid)`` when nil, normalization, ``n != 1`` marked invalid)

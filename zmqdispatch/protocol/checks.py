@@ -6,7 +6,7 @@ duplicate id or a prompt token id >= the vocabulary size makes the engine send
 ``ENGINE_CORE_DEAD`` and exit; a payload that does not decode, or values that
 fail the checks its input thread runs (``top_p`` 0.0, ``max_tokens`` 0, a float
 ``top_k``), kill that thread silently and the engine never reads input again
-(``vllm_wire.md`` section 5.8). So every request is checked here against the
+(``docs/vllm-wire.md`` §5.8). So every request is checked here against the
 wire schema and vLLM 0.32's own ``SamplingParams`` argument checks, and
 refused with a :class:`~zmqdispatch.errors.RequestRejected` that names the
 field and the limit.
@@ -244,7 +244,7 @@ def check_request(
 
 #: TokenSpeed clamps ``max_new_tokens`` to ``max_req_len - len(prompt) - 1``, which
 #: goes negative for an over-long prompt (engine behaviour then undefined,
-#: ``tokenspeed_wire.md`` 1.9): the prompt must leave room for one token plus that
+#: ``docs/tokenspeed-wire.md`` §1.9): the prompt must leave room for one token plus that
 #: reserve of one.
 TOKENSPEED_CONTEXT_RESERVE = 2
 
@@ -280,7 +280,7 @@ def check_tokenspeed_request(
 
     Why: TokenSpeed 0.1.1 drops an ADD that does not decode without a word (the
     request would hang), and answers one its ingress refuses with a terminal
-    ``"abort"`` that carries no reason (``tokenspeed_wire.md`` 1.9, 1.12). So
+    ``"abort"`` that carries no reason (``docs/tokenspeed-wire.md`` §1.9, §1.12). So
     every check of its ingress runs here first, on the values as the engine will
     derive them (:func:`zmqdispatch.wire.tokenspeed.finalize_add`), and what the
     engine does *not* check (prompt length, empty prompt, token ids beyond the

@@ -34,8 +34,8 @@ below are testable in microseconds without sockets:
   their ids kept in :meth:`possibly_live_ids` for a resumed link to ABORT.
 
 - **Runtime.** The link speaks one engine dialect (:class:`~.runtime.Runtime`):
-  vLLM 0.32.0 / 0.33.0 EngineCore (``vllm_wire.md`` section 5) or TokenSpeed
-  0.1.1's scheduler (``tokenspeed_wire.md`` section 1). A request of the other
+  vLLM 0.32.0 / 0.33.0 EngineCore (``docs/vllm-wire.md`` §5) or TokenSpeed
+  0.1.1's scheduler (``docs/tokenspeed-wire.md`` §1). A request of the other
   dialect is refused (:class:`~zmqdispatch.errors.RuntimeMismatchError`).
   TokenSpeed specifics absorbed here: an unrequested terminal ``"abort"`` fails
   the stream with :class:`~zmqdispatch.errors.EngineAbortedRequest`; no utility
@@ -644,7 +644,7 @@ class EngineProtocol:
                 self._fail_requests([rid for rid in requests if rid not in seen], unattributed[0])
         if msg.finished_requests:
             # Engine-generated finishes may list ids without a terminal row
-            # (SMG lesson 11b: retire the union of both).
+            # (docs/reference-gateway-lessons.md lesson 11b: retire the union of both).
             for rid in msg.finished_requests:
                 entry = requests.pop(rid, None)
                 if entry is not None:

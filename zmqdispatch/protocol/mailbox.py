@@ -5,8 +5,8 @@ output of this request. When the consumer keeps up, every tick becomes one
 :class:`OutputDelta`; when it lags, the queued ticks merge into the one pending
 delta (token ids concatenated, logprob rows appended, the newest prefill
 stats kept), so delivery cost stays O(new data) and the router never blocks on
-a slow consumer (the idea of vLLM's ``RequestOutputCollector``; trio_zmq.md
-rule 4, known failures K4/K5).
+a slow consumer (the idea of vLLM's ``RequestOutputCollector``;
+``docs/trio-and-zmq.md`` rule 4, ``docs/known-failures.md`` K4 and K5).
 
 Bound: a consumer that lets more than ``max_pending_tokens`` tokens pile up is
 failed with :class:`~zmqdispatch.errors.SlowConsumerError` (only that request;

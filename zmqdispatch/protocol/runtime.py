@@ -50,7 +50,7 @@ class Runtime(enum.Enum):
         """The runtime that sent this ready response.
 
         TokenSpeed announces itself with ``vllm_version = "tokenspeed-<version>"``
-        (``tokenspeed_wire.md`` 1.4); anything else is a vLLM EngineCore.
+        (``docs/tokenspeed-wire.md`` §1.4); anything else is a vLLM EngineCore.
         """
         return cls.TOKENSPEED if ts.is_tokenspeed(ready) else cls.VLLM
 

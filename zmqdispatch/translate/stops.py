@@ -61,9 +61,10 @@ tokens in ``_all_stop_token_ids`` are *masked out of sampling* while
 ``num_output_tokens < min_tokens`` (``MinTokensLogitsProcessor``), and a
 structured-output grammar masks them until it terminates.
 
-Single-token stop strings as engine ``stop_token_ids`` (reference gateway
-4.0 always converts): :func:`resolve_stop_strings` converts a stop string to
-an engine stop id only when the result is the same as vLLM's text match:
+Single-token stop strings as engine ``stop_token_ids`` (the reference gateway
+always converts them, ``docs/reference-gateway-lessons.md`` §1.8):
+:func:`resolve_stop_strings` converts a stop string to an engine stop id only
+when the result is the same as vLLM's text match:
 
 - ``min_tokens == 0`` and no structured-output constraint; otherwise the id
   would join ``_all_stop_token_ids`` and be masked from sampling, which a stop

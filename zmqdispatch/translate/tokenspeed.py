@@ -390,8 +390,9 @@ def translate_parallel(req: pb.GenerateRequest, config: TranslationConfig) -> li
     """Translate a request with ``n`` samples into ``n`` single-sample requests.
 
     TokenSpeed's direct wire refuses ``n != 1`` (a terminal ``"abort"``), so the
-    client fans out, as the reference gateway does: ``n`` 0 (proto3 unset) and 1
-    give one request with the original id; for ``n > 1`` child ``i`` gets id
+    client fans out, as the reference gateway does
+    (``docs/reference-gateway-lessons.md`` §1.1): ``n`` 0 (proto3 unset) and 1 give
+    one request with the original id; for ``n > 1`` child ``i`` gets id
     :func:`child_request_id`, ``n = 1``, and with a ``sampling_seed`` ``s`` the
     seed ``(s + i) mod 2**64`` (the seed is a uint64). An unset seed stays unset:
     the engine seeds each child with ``crc32`` of its distinct id. Greedy

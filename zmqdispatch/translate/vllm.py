@@ -69,8 +69,8 @@ __all__ = [
     "translate_request",
 ]
 
-#: Engine ``FinishReason`` -> the proto's ``finish_reason`` string (reference
-#: gateway section 2.11). ERROR never gets here: it is raised as an error.
+#: Engine ``FinishReason`` -> the proto's ``finish_reason`` string
+#: (``docs/reference-gateway-lessons.md`` §1.3). ERROR never gets here: it is raised as an error.
 FINISH_REASON_STRINGS = {
     wire.FinishReason.STOP: "stop",
     wire.FinishReason.LENGTH: "length",
@@ -267,7 +267,7 @@ def _structured_outputs(rid: str, sp: pb.SamplingParams, backend: str) -> wire.S
         else:
             kw["choice"] = tuple(choices)
     # structural_tag is only understood by xgrammar (guidance's parser cannot
-    # compile the triggered-tags format; reference gateway section 2.4).
+    # compile the triggered-tags format; docs/reference-gateway-lessons.md §1.2).
     chosen = "xgrammar" if which == "structural_tag" else backend
     return wire.StructuredOutputsParams(backend=chosen, backend_was_auto=auto, **kw)
 
@@ -461,7 +461,8 @@ def translate_request(
 def child_request_id(request_id: str, index: int) -> str:
     """Engine-side id of sample *index* of a fanned-out request: ``"<request_id>-<index>"``.
 
-    The reference gateway's convention (vLLM's own front end uses
+    The reference gateway's convention (``docs/reference-gateway-lessons.md`` §1.1;
+    vLLM's own front end uses
     ``"<index>_<request_id>"``); a parent whose child ids collide with a live
     request is refused at submission.
     """
@@ -537,8 +538,8 @@ def shape_top_logprobs(ids: Sequence[int], values: Sequence[float], k: int) -> t
 
     A row is ``[sampled, rank-1, rank-2, ...]`` (K+1 columns). The engine
     repeats the sampled token among the ranked columns when it is in the top
-    K; a naive "take k" lists it twice and loses the last real candidate (the
-    reference gateway's bug fix ``9a97016e8``). This reproduces vLLM's own
+    K; a naive "take k" lists it twice and loses the last real candidate
+    (``docs/reference-gateway-lessons.md`` §1.5 and lesson 7). This reproduces vLLM's own
     dict-of-logprobs view.
     """
     out_ids: list[int] = []
@@ -590,7 +591,7 @@ class ResponseBuilder:
     ``output_logprobs``; the complete carries the cumulative ``output_ids``
     and ``output_logprobs``, the ``finish_reason`` string and the matched
     stop. When the final delta has tokens they go out as a chunk first, so
-    streaming clients see every token in chunks (reference gateway 5.2).
+    streaming clients see every token in chunks (``docs/reference-gateway-lessons.md`` §1.7).
 
     ``prompt_tokens`` is the engine's ``prefill_stats.num_prompt_tokens`` when
     sent, else the prompt length; ``cached_tokens`` is

@@ -1,7 +1,7 @@
 """The ``[dtype, shape, data]`` tensor codec of vLLM's msgpack wire.
 
 Source of the format: vLLM 0.32.0 ``vllm/v1/serial_utils.py`` (``MsgpackEncoder`` /
-``MsgpackDecoder``), as described in ``vllm_wire.md`` section 5.11 and pinned by the
+``MsgpackDecoder``), as described in ``docs/vllm-wire.md`` §5.11 and pinned by the
 golden vectors (``outputs_logprobs_k62_inline_edge``, ``outputs_logprobs_k63_aux``,
 ``outputs_logprobs_batch_aux``, ``request_prompt_embeds_aux``):
 

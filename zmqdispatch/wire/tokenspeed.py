@@ -1,8 +1,8 @@
 """Sans-IO codec of TokenSpeed's direct msgpack ZMQ wire (TokenSpeed 0.1.1, ``--zmq-msgpack``).
 
 Everything here turns typed values into frames and frames into typed values; nothing
-touches a socket. Sources of the format (facts, not code): ``tokenspeed_wire.md``
-section 1 and ``reference_gateway.md`` section 3, checked against TokenSpeed 0.1.1's own
+touches a socket. Sources of the format (facts, not code): ``docs/tokenspeed-wire.md``
+§1, checked against TokenSpeed 0.1.1's own
 wire modules (``runtime/engine/{zmq_wire,zmq_msgpack,io_struct}.py``,
 ``runtime/sampling/sampling_params.py``). :func:`encode_add`, :func:`encode_outputs`,
 :func:`encode_abort` and :func:`encode_hello` reproduce that encoder's golden bytes
@@ -506,7 +506,7 @@ class TokenizedGenerateReqInput:
     ``input_ids`` carries the prompt (``input_text`` is unused), and the engine checks
     neither prompt length, empty prompts nor duplicate rids: the frontend must.
 
-    Engine-side meaning of the knobs (section 1.9 of ``tokenspeed_wire.md``):
+    Engine-side meaning of the knobs (``docs/tokenspeed-wire.md`` §1.9):
     ``return_logprob`` needs ``--enable-output-logprobs``; with it, ``top_logprobs_num``
     != 0, a non-empty ``token_ids_logprob`` or a ``logprob_start_len`` that asks for
     prompt logprobs abort the request. ``stream`` only changes the emission cadence.
@@ -681,7 +681,7 @@ def admission_error(
 ) -> str | None:
     """Why TokenSpeed admits this (finalized) request pre-aborted, or None.
 
-    The checks of its ingress (``tokenspeed_wire.md`` 1.9) in one place, for a mock
+    The checks of its ingress (``docs/tokenspeed-wire.md`` §1.9) in one place, for a mock
     engine (which answers with one terminal ``"abort"`` frame carrying no tokens) and
     for a client that wants a real error message first: a truthy ``validation_error``;
     with ``return_logprob``: the server flag, ``top_logprobs_num != 0``, a non-empty

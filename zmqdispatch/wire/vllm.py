@@ -1,9 +1,9 @@
 """Sans-IO codec of the vLLM v1 EngineCore wire (vLLM 0.32.0; 0.33.0 tolerated).
 
 Everything here turns typed values into frames and frames into typed values; nothing
-touches a socket. Sources of the format (facts, not code): ``vllm_wire.md`` section 5,
-``reference_gateway.md`` section 2, and the golden vectors of vLLM's own encoder
-(``shared/vectors/vllm_0.32.0.json``), which :func:`encode_request`,
+touches a socket. Sources of the format (facts, not code): ``docs/vllm-wire.md`` §5,
+and the golden vectors of vLLM's own encoder
+(``tests/wire/vectors/vllm_0.32.0.json``), which :func:`encode_request`,
 :func:`encode_outputs` and the handshake encoders reproduce byte for byte.
 
 Wire rules in one place:
@@ -140,7 +140,7 @@ __all__ = [
 class RequestType(enum.IntEnum):
     """Request-type byte, the first frame the engine reads (vLLM ``EngineCoreRequestType``).
 
-    Any other byte kills the engine's input thread silently (``vllm_wire.md`` 5.2), so
+    Any other byte kills the engine's input thread silently (``docs/vllm-wire.md`` §5.2), so
     only these four are ever sent. ``.frame`` is the one-byte frame.
     """
 
