@@ -107,8 +107,8 @@ class MockEngineCore:
             # vLLM 0.32's EngineCore does not check the prompt length: its worker
             # fails sampling the first token past max_model_len (docs/mock_engine.md).
             raise FatalEngineError(
-                f"RuntimeError: sampled token ids exceed the max model length: "
-                f"{prompt_len + 1} > max_model_len {self.max_model_len}"
+                f"RuntimeError: worker failed: a prompt of {prompt_len} tokens with max_model_len "
+                f"{self.max_model_len}"
             )
         sp = request.sampling_params
         if sp is None or sp.max_tokens is None:
