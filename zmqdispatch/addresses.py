@@ -110,7 +110,7 @@ def _check_tcp(rest: str, bad, *, bind: bool, any_port: bool) -> None:
             raise bad("host * (every interface) can only be bound, not dialed")
         return
     if ":" in host:
-        raise bad("an IPv6 host must be in brackets: tcp://[::1]:PORT")
+        raise bad("an IPv6 host must be in brackets, as in [::1]")
     if _DOTTED_NUMBERS.fullmatch(host):
         try:
             ipaddress.IPv4Address(host)

@@ -17,7 +17,8 @@ the named runtime (default ``vllm``). Engine choice:
 Exit status: 0 the generate completed; 2 the client rejected the request
 (nothing was sent), a flag value or an address is malformed; 3 the engine failed
 (dead, handshake, engine error) or an address cannot be bound; 130 interrupted
-(SIGINT), 143 terminated (SIGTERM): both stop a launched engine first; 1 an
+(SIGINT), 143 terminated (SIGTERM): both stop a launched engine first; 141
+stdout closed (the reader went away; the request is aborted); 1 an
 internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback). Failures
 print one line on stderr, no traceback.
 """
@@ -63,6 +64,7 @@ EXIT_INTERNAL = 1
 EXIT_REJECTED = 2
 EXIT_ENGINE = 3
 EXIT_INTERRUPTED = 130
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `... | head -1` writers
 EXIT_TERMINATED = 143
 
 #: Set (to anything but "" / "0") to let an internal error's traceback through.
@@ -78,6 +80,7 @@ _GENERATE_EPILOG = (
     "       a malformed address, an unreadable --request file\n"
     "  3    the engine failed (dead, handshake, engine-side error), or an address cannot be bound\n"
     "  130  interrupted (SIGINT); 143 terminated (SIGTERM): a launched engine is stopped first\n"
+    "  141  stdout was closed (the reader went away, e.g. `| head -1`): the request was aborted\n"
     "every failure prints one line on stderr"
 )
 
@@ -526,6 +529,10 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except ZmqDispatchError as exc:
         return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
+    except BrokenPipeError:
+        # Leaving the stream aborted the request; later writes to stdout go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _fail(EXIT_STDOUT_CLOSED, "stdout was closed (the reader went away); the request was aborted")
     except OSError as exc:  # the system refused something (fds, processes) while serving
         return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except _Terminated:

@@ -1161,8 +1161,10 @@ async def connect(
             # ipc paths: stale socket files unlinked, anything else refused (_ipc)
             prepared = await _ipc.prepare_bind(address)
         except OSError as exc:
-            raise AddressBindError(f"{role}: cannot bind {address!r}: {exc.strerror or exc}",
-                                   address=address, role=role, errno=exc.errno) from None
+            error = AddressBindError(f"{role}: cannot bind {address!r}: {exc.strerror or exc}",
+                                     address=address, role=role, errno=exc.errno)
+            error.filename = exc.filename
+            raise error from None
         return sock.bind(prepared, role=role)
 
     def ipc(name: str) -> str:

@@ -168,3 +168,13 @@ def test_the_mock_engine_command_also_has_the_last_resort(monkeypatch, capsys):
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
     assert cli.main(["mock-engine", "--handshake-address", "tcp://127.0.0.1:5555"]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_reader_that_goes_away_is_exit_141_with_one_line():
+    p = subprocess.Popen([sys.executable, "-m", "zmqdispatch", "generate", *PROMPT, "--max-tokens", "4000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert p.stdout.readline().startswith('{"chunk"')
+    p.stdout.close()  # as `| head -1` does
+    assert p.wait(timeout=60) == 141
+    err = p.stderr.read()
+    assert "Traceback" not in err and err.count("\n") == 1 and "stdout was closed" in err
