@@ -14,12 +14,21 @@ wire; ``_zmq_trio`` the only module that calls pyzmq; ``client`` the trio
 shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
 """
 
+from importlib import metadata as _metadata
+
+try:
+    #: the installed distribution's version (``pyproject.toml``)
+    __version__ = _metadata.version("zmqdispatch")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
 from .client import ClientConfig, EngineClient, EngineSession, RequestStream, connect
 from . import errors
 from .errors import *  # noqa: F403  (the public hierarchy, listed in errors.__all__)
 from .protocol.mailbox import OutputDelta
 
 __all__ = [
+    "__version__",
     "ClientConfig",
     "EngineClient",
     "EngineSession",

@@ -21,7 +21,9 @@ Rules (``docs/trio-and-zmq.md`` §1, measured on this machine kind):
 5. **notify_closing before close**, so a parked waiter gets
    ``ClosedResourceError`` rather than waiting on a reused fd number.
 
-zmq errors are translated here: ``EHOSTUNREACH`` (``ROUTER_MANDATORY`` on an
+zmq errors are translated here: a failed bind or connect becomes
+:class:`~zmqdispatch.errors.AddressBindError` / ``InvalidAddressError``;
+``EHOSTUNREACH`` (``ROUTER_MANDATORY`` on an
 unroutable identity) becomes :class:`PeerUnreachable`; a send that cannot make
 progress before its deadline becomes :class:`SendTimeout`.
 """
@@ -37,6 +39,7 @@ import trio
 import zmq
 
 from . import limits
+from .errors import AddressBindError, InvalidAddressError
 
 __all__ = [
     "PeerUnreachable",
@@ -144,14 +147,37 @@ class TrioSocket:
 
     # ------------------------------------------------------------- setup
 
-    def bind(self, address: str) -> str:
-        """Bind and return the resolved endpoint (``tcp://...:0`` gets its port)."""
-        self._sock.bind(address)
+    def bind(self, address: str, *, role: str = "") -> str:
+        """Bind and return the resolved endpoint (``tcp://...:0`` gets its port).
+
+        Check the address first (:func:`zmqdispatch.addresses.check_address`):
+        libzmq wraps out-of-range ports.
+
+        Raises:
+            AddressBindError: it cannot be bound (in use, not an address of
+                this host, no permission, missing ipc directory), with the errno.
+            InvalidAddressError: libzmq refused its form.
+        """
+        if address.startswith("tcp://["):
+            self._sock.setsockopt(zmq.IPV6, 1)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as exc:
+            raise _address_error(exc, address, role or self.name, "bind") from None
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def connect(self, address: str) -> None:
-        """Connect (asynchronous in libzmq; never blocks)."""
-        self._sock.connect(address)
+    def connect(self, address: str, *, role: str = "") -> None:
+        """Connect (asynchronous in libzmq; never blocks).
+
+        Raises:
+            InvalidAddressError: libzmq refused the address's form.
+        """
+        if address.startswith("tcp://["):
+            self._sock.setsockopt(zmq.IPV6, 1)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            raise _address_error(exc, address, role or self.name, "connect to") from None
 
     # ------------------------------------------------------------- receive
 
@@ -323,6 +349,20 @@ def parse_monitor_event(frames: list[bytes]) -> tuple[int, int, str]:
         int.from_bytes(head[2:], "little"),
         frames[1].decode("utf-8", "replace"),
     )
+
+
+#: errnos of a well-formed address that cannot be used here (the rest: a bad form)
+_BIND_ERRNOS = frozenset({
+    errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES, errno.EPERM, errno.ENODEV,
+    errno.ENOENT, errno.ENOTDIR, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP,
+})
+
+
+def _address_error(exc: zmq.ZMQError, address: str, role: str, verb: str) -> Exception:
+    message = f"{role}: cannot {verb} {address!r}: {zmq.strerror(exc.errno)}"
+    if exc.errno in _BIND_ERRNOS:
+        return AddressBindError(message, address=address, role=role, errno=exc.errno)
+    return InvalidAddressError(message, address=address, role=role)
 
 
 def _translate(exc: zmq.ZMQError, name: str) -> Exception:

@@ -15,24 +15,39 @@ the named runtime (default ``vllm``). Engine choice:
 - neither: start the embedded mock engine.
 
 Exit status: 0 the generate completed; 2 the client rejected the request
-(nothing was sent); 3 the engine failed (dead, handshake, engine error); 130
-interrupted (SIGINT), 143 terminated (SIGTERM): both stop a launched engine
-first. Failures print one line on stderr, no traceback.
+(nothing was sent), a flag value or an address is malformed; 3 the engine failed
+(dead, handshake, engine error) or an address cannot be bound; 130 interrupted
+(SIGINT), 143 terminated (SIGTERM): both stop a launched engine first; 141
+stdout closed (the reader went away; the request is aborted); 1 an
+internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback). Failures
+print one line on stderr, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 
+from . import __version__
+from .addresses import check_address
 from .client import ClientConfig, _unwrap, connect
-from .errors import EngineError, RequestError, RequestRejected, ZmqDispatchError
+from .errors import (
+    AddressBindError,
+    EngineError,
+    InvalidAddressError,
+    RequestError,
+    RequestRejected,
+    ZmqDispatchError,
+)
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
 from .fanout import generate_parallel
@@ -45,10 +60,67 @@ from .bench import harness as bench_harness
 __all__ = ["main"]
 
 EXIT_OK = 0
+EXIT_INTERNAL = 1
 EXIT_REJECTED = 2
 EXIT_ENGINE = 3
 EXIT_INTERRUPTED = 130
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `... | head -1` writers
 EXIT_TERMINATED = 143
+
+#: Set (to anything but "" / "0") to let an internal error's traceback through.
+DEBUG_ENV = "ZMQDISPATCH_DEBUG"
+
+_INTERNAL_EPILOG = (f"  1    internal error (a bug; {DEBUG_ENV}=1 prints its traceback)\n")
+
+_GENERATE_EPILOG = (
+    "exit status:\n"
+    "  0    the generate completed\n"
+    + _INTERNAL_EPILOG +
+    "  2    rejected before anything was sent: a request field or flag value out of range,\n"
+    "       a malformed address, an unreadable --request file\n"
+    "  3    the engine failed (dead, handshake, engine-side error), or an address cannot be bound\n"
+    "  130  interrupted (SIGINT); 143 terminated (SIGTERM): a launched engine is stopped first\n"
+    "  141  stdout was closed (the reader went away, e.g. `| head -1`): the request was aborted\n"
+    "every failure prints one line on stderr"
+)
+
+_MOCK_EPILOG = (
+    "exit status:\n"
+    "  0    stopped by SIGINT or SIGTERM (running requests get a finish ABORT first, as vLLM's clean stop)\n"
+    "  1    the engine died as the real one does (fatal request: ENGINE_CORE_DEAD sent; --fault sentinel/exit),\n"
+    f"       or an internal error ({DEBUG_ENV}=1 prints its traceback)\n"
+    "  2    a malformed flag value or --handshake-address\n"
+    "the mock serves one client after another: when its client goes away it dials the handshake\n"
+    "address again (and still accepts the old client's resumed data connections)"
+)
+
+_BENCH_EPILOG = (
+    "exit status:\n"
+    "  0    the benchmark ran\n"
+    + _INTERNAL_EPILOG +
+    "  2    a malformed flag value"
+)
+
+#: proto3 integer field types and their ranges
+_INT_RANGES = {
+    FieldDescriptor.TYPE_INT32: ("int32", -(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: ("int32", -(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT32: ("uint32", 0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT64: ("int64", -(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: ("int64", -(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: ("uint64", 0, 2**64 - 1),
+}
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every help text (unless there is none: unset, a switch,
+    an empty list); description and epilog kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Terminated(Exception):
@@ -62,63 +134,133 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _token_id_list(text: str) -> list[int]:
+    ids = _int_list(text)
+    for t in ids:
+        if not 0 <= t < 2**32:
+            raise argparse.ArgumentTypeError(f"token id {t} is outside 0..{2**32 - 1}")
+    return ids
+
+
+def _bounded_int(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in lo..hi (hi None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(
+                f"{value} is outside {lo}..{hi}" if hi is not None else f"{value} must be >= {lo}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def _seconds(*, zero_ok: bool) -> Callable[[str], float]:
+    """An argparse type: seconds, > 0 (or >= 0 with zero_ok), inf allowed, never nan."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if math.isnan(value) or value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>= 0' if zero_ok else '> 0'}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def _finite_ms(text: str) -> float:
+    value = _seconds(zero_ok=True)(text)
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be finite")
+    return value
+
+
+_finite_ms.__name__ = "float"
+
+_U32 = 2**32 - 1
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zmqdispatch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="zmqdispatch", description=__doc__.split("\n\n")[0],
+                                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser(
         "generate",
         help="dispatch one GenerateRequest and print GenerateResponse proto-JSON lines",
         description="Dispatch one GenerateRequest (vllm.grpc.engine, or tokenspeed.grpc.scheduler with "
-                    "--runtime tokenspeed) to an engine over ZMQ.",
+                    "--runtime tokenspeed) to an engine over ZMQ. Engine: --handshake-address (started "
+                    "elsewhere), --launch CMD, or neither: the embedded mock engine.",
+        formatter_class=_Formatter,
+        epilog=_GENERATE_EPILOG,
     )
     src = g.add_argument_group("request")
     g.add_argument("--runtime", choices=RUNTIMES, default="vllm",
-                   help="the engine's runtime; selects the request/response proto package (default vllm)")
+                   help="the engine's runtime; selects the request/response proto package")
     src.add_argument("--request", metavar="FILE", help="proto-JSON GenerateRequest file, or - for stdin")
     src.add_argument("--prompt-token-ids", type=_int_list, metavar="IDS", help="e.g. 1,2,3 (builds a request)")
     src.add_argument("--request-id", help="default: a random zmqd-<hex> id")
-    src.add_argument("--max-tokens", type=int, help="max_tokens (TokenSpeed: max_new_tokens)")
-    src.add_argument("--temperature", type=float)
-    src.add_argument("--top-p", type=float)
-    src.add_argument("--top-k", type=int)
-    src.add_argument("--seed", type=int, help="seed (TokenSpeed: sampling_seed)")
-    src.add_argument("--stop-token-ids", type=_int_list, metavar="IDS")
+    src.add_argument("--max-tokens", type=int, help="max_tokens (TokenSpeed: max_new_tokens); unset: the engine's rule")
+    src.add_argument("--temperature", type=float, help="unset: the proto default")
+    src.add_argument("--top-p", type=float, help="unset: the proto default")
+    src.add_argument("--top-k", type=int, help="unset: the proto default (disabled)")
+    src.add_argument("--seed", type=int, help="seed (TokenSpeed: sampling_seed); unset: random")
+    src.add_argument("--stop-token-ids", type=_int_list, metavar="IDS", help="e.g. 7,9")
     src.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable; needs --tokenizer)")
-    src.add_argument("-n", "--n", type=int, dest="n", help="samples per request (fan-out)")
+    src.add_argument("-n", "--n", type=int, dest="n", help="samples per request (fan-out); unset: 1")
     src.add_argument("--no-stream", action="store_true", help="print only the complete")
     eng = g.add_argument_group("engine")
     how = eng.add_mutually_exclusive_group()
-    how.add_argument("--handshake-address", metavar="ADDR", help="bind here and wait for an engine to dial in")
+    how.add_argument("--handshake-address", metavar="ADDR",
+                     help="bind here (tcp://HOST:PORT or ipc://PATH) and wait for an engine to dial in")
     how.add_argument("--launch", metavar="CMD", help="engine command; {handshake_address} is substituted")
-    eng.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT, metavar="S")
-    eng.add_argument("--silence-timeout", type=float, default=DEFAULT_SILENCE_TIMEOUT, metavar="S")
-    eng.add_argument("--vocab-size", type=int, help="reject token ids >= this (protects the engine)")
-    eng.add_argument("--eos-token-id", type=_int_list, default=[], metavar="IDS",
+    eng.add_argument("--handshake-timeout", type=_seconds(zero_ok=False), default=DEFAULT_HANDSHAKE_TIMEOUT,
+                     metavar="S", help="seconds for the engine's startup handshake")
+    eng.add_argument("--silence-timeout", type=_seconds(zero_ok=False), default=DEFAULT_SILENCE_TIMEOUT,
+                     metavar="S", help="seconds without output while requests run before the engine is dead")
+    eng.add_argument("--vocab-size", type=_bounded_int(1, _U32 + 1),
+                     help="reject token ids >= this (protects the engine); unset: not checked")
+    eng.add_argument("--eos-token-id", type=_token_id_list, default=[], metavar="IDS",
                      help="the model's EOS id(s), primary first (vLLM: the engine has no tokenizer; "
                           "tokenspeed: given to the embedded mock, which stops on them)")
-    eng.add_argument("--max-logprobs", type=int, default=20, help="the engine's max_logprobs")
+    eng.add_argument("--max-logprobs", type=_bounded_int(0, _U32), default=20, help="the engine's max_logprobs")
     eng.add_argument("--tokenizer", metavar="FILE",
                      help="tokenizer.json of the model (needs the 'tokenizers' extra); enables stop strings")
-    eng.add_argument("--mock-max-model-len", type=int, default=4096, help="embedded mock only")
+    eng.add_argument("--mock-max-model-len", type=_bounded_int(1, 2**31 - 1), default=4096,
+                     help="embedded mock only: its max_model_len")
 
     m = sub.add_parser(
         "mock-engine",
         help="run the wire-faithful mock engine (vLLM EngineCore or TokenSpeed scheduler)",
         description="A mock vLLM EngineCore (or, with --runtime tokenspeed, TokenSpeed scheduler) that dials "
-                    "ADDR like the real one (see zmqdispatch.mock.server).",
+                    "ADDR like the real one (see zmqdispatch.mock.server), and serves one client after another.",
+        formatter_class=_Formatter,
+        epilog=_MOCK_EPILOG,
     )
-    m.add_argument("--handshake-address", required=True, metavar="ADDR")
-    m.add_argument("--runtime", choices=RUNTIMES, default="vllm", help="which engine to imitate (default vllm)")
-    m.add_argument("--engine-index", type=int, default=0)
-    m.add_argument("--max-model-len", type=int, default=4096)
-    m.add_argument("--vocab-size", type=int, default=32_000)
-    m.add_argument("--step-interval-ms", type=float, default=1.0, help="0 = as fast as possible")
-    m.add_argument("--tokens-per-step", type=int, default=1)
+    m.add_argument("--handshake-address", required=True, metavar="ADDR",
+                   help="the client's handshake address to dial (tcp://HOST:PORT or ipc://PATH)")
+    m.add_argument("--runtime", choices=RUNTIMES, default="vllm", help="which engine to imitate")
+    m.add_argument("--engine-index", type=_bounded_int(0, 2**16 - 1), default=0,
+                   help="DP rank (its 2-byte identity)")
+    m.add_argument("--max-model-len", type=_bounded_int(1, 2**31 - 1), default=4096,
+                   help="context length; a prompt this long or longer kills the vLLM mock, as vLLM 0.32")
+    m.add_argument("--vocab-size", type=_bounded_int(1, _U32 + 1), default=32_000,
+                   help="a token id at or past it kills the engine, as the real one")
+    m.add_argument("--step-interval-ms", type=_finite_ms, default=1.0, help="0 = as fast as possible")
+    m.add_argument("--tokens-per-step", type=_bounded_int(1, 2**16), default=1, help="tokens per request per step")
     m.add_argument("--headless", action="store_true", help="announce local=false, headless=true")
-    m.add_argument("--eos-token-id", type=_int_list, default=[], metavar="IDS",
+    m.add_argument("--eos-token-id", type=_token_id_list, default=[], metavar="IDS",
                    help="tokenspeed: the model's EOS ids (TokenSpeed stops at EOS by itself)")
-    m.add_argument("--stream-interval", type=int, default=1, help="tokenspeed: --stream-interval")
+    m.add_argument("--stream-interval", type=_bounded_int(1, 2**31 - 1), default=1,
+                   help="tokenspeed: --stream-interval")
     m.add_argument("--no-output-logprobs", action="store_true",
                    help="tokenspeed: run without --enable-output-logprobs (logprob requests are aborted)")
     m.add_argument(
@@ -129,7 +271,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="sentinel:N, exit:N, garbage:N, silent:N, stop-reading:N, no-ready (repeatable)",
     )
     b = sub.add_parser("bench", help="transport benchmark: zmqdispatch vs the raw limit vs vLLM's client",
-                       description="See zmqdispatch.bench.harness (progress bar and PNG: the 'bench' extra).")
+                       description="See zmqdispatch.bench.harness (progress bar and PNG: the 'bench' extra).",
+                       formatter_class=_Formatter, epilog=_BENCH_EPILOG)
     bench_harness.add_arguments(b)
     return parser
 
@@ -139,7 +282,15 @@ def _load_request(args: argparse.Namespace) -> object:
     if args.request is not None:
         if args.prompt_token_ids is not None:
             raise RequestRejected("use either --request or --prompt-token-ids, not both")
-        text = sys.stdin.read() if args.request == "-" else open(args.request, encoding="utf-8").read()
+        try:
+            if args.request == "-":
+                text = sys.stdin.read()
+            else:
+                with open(args.request, encoding="utf-8") as f:
+                    text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise RequestRejected(f"--request {args.request!r}: cannot read it: {reason}", field="request") from None
         req = pb.GenerateRequest()
         try:
             json_format.Parse(text, req)
@@ -150,34 +301,71 @@ def _load_request(args: argparse.Namespace) -> object:
         return req
     if args.prompt_token_ids is None:
         raise RequestRejected("give --request FILE or --prompt-token-ids IDS")
-    if args.runtime == "tokenspeed":
-        return _tokenspeed_request_from_flags(args)
+    return _request_from_flags(args, pb)
+
+
+def _in_range(message: type, field: str, value: object, flag: str, path: str) -> object:
+    """*value* (or each item of a list) when it fits proto field *field* of *message*.
+
+    Raises:
+        RequestRejected: out of the field's range (named *path*) or, for a
+            float field, not finite.
+    """
+    fd = message.DESCRIPTOR.fields_by_name[field]
+    items = value if isinstance(value, list) else [value]
+    if fd.type in _INT_RANGES:
+        kind, lo, hi = _INT_RANGES[fd.type]
+        for v in items:
+            if not lo <= v <= hi:
+                raise RequestRejected(f"{flag}: {v} is outside the range of {path} ({kind}: {lo}..{hi})", field=path)
+    elif fd.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
+        limit = _FLOAT32_MAX if fd.type == FieldDescriptor.TYPE_FLOAT else sys.float_info.max
+        for v in items:
+            if not math.isfinite(v) or abs(v) > limit:
+                kind = "float" if fd.type == FieldDescriptor.TYPE_FLOAT else "double"
+                raise RequestRejected(f"{flag}: {v!r} is not a finite {kind} (|x| <= {limit:.7g}) for {path}",
+                                      field=path)
+    return value
+
+
+#: flag -> (vLLM SamplingParams field, TokenSpeed SamplingParams field)
+_SAMPLING_FLAGS = (
+    ("max_tokens", "--max-tokens", "max_tokens", "max_new_tokens"),
+    ("temperature", "--temperature", "temperature", "temperature"),
+    ("top_p", "--top-p", "top_p", "top_p"),
+    ("top_k", "--top-k", "top_k", "top_k"),
+    ("seed", "--seed", "seed", "sampling_seed"),
+    ("n", "--n", "n", "n"),
+)
+
+
+def _request_from_flags(args: argparse.Namespace, pb: object) -> object:
+    """A ``GenerateRequest`` of the runtime's proto package from the flags.
+
+    Raises:
+        RequestRejected: a value outside its proto field's range (naming the
+            field and the range), or ``--n`` < 1.
+    """
+    tokenspeed = args.runtime == "tokenspeed"
     sp = pb.SamplingParams()
-    if args.max_tokens is not None:
-        if args.max_tokens < 0:
-            raise RequestRejected("--max-tokens must be >= 1", field="sampling_params.max_tokens")
-        sp.max_tokens = args.max_tokens
-    if args.temperature is not None:
-        sp.temperature = args.temperature
-    if args.top_p is not None:
-        sp.top_p = args.top_p
-    if args.top_k is not None:
-        if args.top_k < 0:
-            raise RequestRejected("--top-k must be >= 0 (0 = disabled)", field="sampling_params.top_k")
-        sp.top_k = args.top_k
-    if args.seed is not None:
-        sp.seed = args.seed
+    for attr, flag, vllm_field, ts_field in _SAMPLING_FLAGS:
+        value = getattr(args, attr)
+        if value is None:
+            continue
+        field = ts_field if tokenspeed else vllm_field
+        if attr == "n" and value < 1:
+            raise RequestRejected(f"--n must be >= 1, got {value}", field="sampling_params.n")
+        setattr(sp, field, _in_range(pb.SamplingParams, field, value, flag, f"sampling_params.{field}"))
     if args.stop_token_ids:
-        sp.stop_token_ids.extend(args.stop_token_ids)
+        sp.stop_token_ids.extend(_in_range(pb.SamplingParams, "stop_token_ids", args.stop_token_ids,
+                                           "--stop-token-ids", "sampling_params.stop_token_ids"))
     if args.stop:
         sp.stop.extend(args.stop)
-    if args.n is not None:
-        if args.n < 1:
-            raise RequestRejected(f"--n must be >= 1, got {args.n}", field="sampling_params.n")
-        sp.n = args.n
+    ids = _in_range(pb.TokenizedInput, "input_ids", args.prompt_token_ids, "--prompt-token-ids",
+                    "tokenized.input_ids")
     return pb.GenerateRequest(
         request_id=args.request_id or f"zmqd-{uuid.uuid4().hex[:12]}",
-        tokenized=pb.TokenizedInput(input_ids=args.prompt_token_ids),
+        tokenized=pb.TokenizedInput(input_ids=ids),
         sampling_params=sp,
         stream=not args.no_stream,
     )
@@ -185,39 +373,6 @@ def _load_request(args: argparse.Namespace) -> object:
 
 def _pb(args: argparse.Namespace):  # the proto module of the runtime
     return ts_translate.pb if args.runtime == "tokenspeed" else vllm_translate.pb
-
-
-def _tokenspeed_request_from_flags(args: argparse.Namespace) -> object:
-    pb = ts_translate.pb
-    sp = pb.SamplingParams()
-    if args.max_tokens is not None:
-        if args.max_tokens < 0:
-            raise RequestRejected("--max-tokens must be >= 0", field="sampling_params.max_new_tokens")
-        sp.max_new_tokens = args.max_tokens
-    if args.temperature is not None:
-        sp.temperature = args.temperature
-    if args.top_p is not None:
-        sp.top_p = args.top_p
-    if args.top_k is not None:
-        sp.top_k = args.top_k
-    if args.seed is not None:
-        if args.seed < 0:
-            raise RequestRejected("--seed must be >= 0 (sampling_seed is a uint64)", field="sampling_params.sampling_seed")
-        sp.sampling_seed = args.seed
-    if args.stop_token_ids:
-        sp.stop_token_ids.extend(args.stop_token_ids)
-    if args.stop:
-        sp.stop.extend(args.stop)
-    if args.n is not None:
-        if args.n < 1:
-            raise RequestRejected(f"--n must be >= 1, got {args.n}", field="sampling_params.n")
-        sp.n = args.n
-    return pb.GenerateRequest(
-        request_id=args.request_id or f"zmqd-{uuid.uuid4().hex[:12]}",
-        tokenized=pb.TokenizedInput(input_ids=args.prompt_token_ids),
-        sampling_params=sp,
-        stream=not args.no_stream,
-    )
 
 
 def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
@@ -330,35 +485,32 @@ def _fail(code: int, message: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit status."""
-    args = _build_parser().parse_args(argv)
+    """Run the CLI; returns the process exit status (see ``--help``).
+
+    Every failure prints one line on stderr. An exception nothing here expects
+    (a bug) is reported as an internal error (exit 1), with its traceback only
+    when ``ZMQDISPATCH_DEBUG`` is set.
+    """
+    args = _build_parser().parse_args(argv)  # argparse: exit 2 on a bad flag
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return _fail(EXIT_INTERRUPTED, "interrupted")
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        return _fail(EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc} "
+                                    f"(a bug; re-run with {DEBUG_ENV}=1 for the traceback)")
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return bench_harness.main(args)
     if args.command == "mock-engine":
-        try:
-            faults = tuple(parse_fault(f) for f in args.fault)
-        except ValueError as exc:
-            return _fail(EXIT_REJECTED, str(exc))
-        cfg = MockEngineConfig(
-            handshake_address=args.handshake_address,
-            engine_index=args.engine_index,
-            max_model_len=args.max_model_len,
-            vocab_size=args.vocab_size,
-            step_interval=args.step_interval_ms / 1000.0,
-            tokens_per_step=args.tokens_per_step,
-            faults=faults,
-            headless=args.headless,
-            runtime=args.runtime,
-            eos_token_ids=tuple(args.eos_token_id),
-            stream_interval=args.stream_interval,
-            enable_output_logprobs=not args.no_output_logprobs,
-        )
-        try:
-            return run_mock_main(cfg)
-        except KeyboardInterrupt:
-            return EXIT_INTERRUPTED
-
+        return _mock_engine(args)
     try:
+        if args.handshake_address is not None:
+            check_address(args.handshake_address, role="--handshake-address", any_port=False)
         req = _load_request(args)
         args.tokenizer_obj = _load_tokenizer(args.tokenizer)
         # Checks that need no engine first, so a bad request fails before one starts.
@@ -369,16 +521,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         return trio.run(_generate, args, req)
     except RequestRejected as exc:
         return _fail(EXIT_REJECTED, f"request rejected: {exc}")
+    except InvalidAddressError as exc:
+        return _fail(EXIT_REJECTED, f"bad address: {exc}")
+    except AddressBindError as exc:
+        return _fail(EXIT_ENGINE, f"cannot bind: {exc}")
     except (EngineError, RequestError) as exc:
         return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except ZmqDispatchError as exc:
         return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
-    except OSError as exc:
-        return _fail(EXIT_REJECTED if isinstance(exc, FileNotFoundError) else EXIT_ENGINE, str(exc))
-    except KeyboardInterrupt:
-        return _fail(EXIT_INTERRUPTED, "interrupted")
+    except BrokenPipeError:
+        # Leaving the stream aborted the request; later writes to stdout go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _fail(EXIT_STDOUT_CLOSED, "stdout was closed (the reader went away); the request was aborted")
+    except OSError as exc:  # the system refused something (fds, processes) while serving
+        return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except _Terminated:
         return _fail(EXIT_TERMINATED, "terminated (SIGTERM)")
+
+
+def _mock_engine(args: argparse.Namespace) -> int:
+    try:
+        check_address(args.handshake_address, role="--handshake-address", bind=False, any_port=False)
+        faults = tuple(parse_fault(f) for f in args.fault)
+    except ValueError as exc:  # InvalidAddressError is one
+        return _fail(EXIT_REJECTED, str(exc))
+    cfg = MockEngineConfig(
+        handshake_address=args.handshake_address,
+        engine_index=args.engine_index,
+        max_model_len=args.max_model_len,
+        vocab_size=args.vocab_size,
+        step_interval=args.step_interval_ms / 1000.0,
+        tokens_per_step=args.tokens_per_step,
+        faults=faults,
+        headless=args.headless,
+        runtime=args.runtime,
+        eos_token_ids=tuple(args.eos_token_id),
+        stream_interval=args.stream_interval,
+        enable_output_logprobs=not args.no_output_logprobs,
+    )
+    try:
+        return run_mock_main(cfg)
+    except InvalidAddressError as exc:  # an INIT naming an address we cannot dial
+        return _fail(EXIT_REJECTED, str(exc))
 
 
 def main_entry() -> None:

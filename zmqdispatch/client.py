@@ -44,8 +44,10 @@ import trio
 import zmq
 
 from . import _ipc, limits
+from .addresses import check_address
 from ._zmq_trio import PeerUnreachable, SendTimeout, TrioSocket, ZmqContext, parse_monitor_event
 from .errors import (
+    AddressBindError,
     EngineDeadError,
     LocalProtocolError,
     EngineHandshakeError,
@@ -60,6 +62,11 @@ from .protocol.mailbox import Mailbox, OutputDelta
 from .wire import vllm as wire
 
 __all__ = ["ClientConfig", "EngineClient", "EngineSession", "RequestStream", "connect"]
+
+
+def _check_bind_address(_: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None:
+        check_address(value, role=attribute.name)
 
 
 @attrs.frozen(kw_only=True)
@@ -83,7 +90,9 @@ class ClientConfig:
             logprob requests crash the engine, so they are refused.
         input_address / output_address: data-plane endpoints to bind (default:
             ``ipc://`` in a private 0700 temporary directory). Fixed addresses
-            let headless engines reconnect to a restarted client.
+            let headless engines reconnect to a restarted client. Checked at
+            construction (``InvalidAddressError``, see
+            :func:`zmqdispatch.addresses.check_address`).
         terminate_grace: seconds a spawned engine gets after SIGTERM.
         death_on_disconnect: treat the engine's input connection closing (a
             zmq monitor ``EVENT_DISCONNECTED`` on the input ROUTER) as death
@@ -114,8 +123,8 @@ class ClientConfig:
     utility_timeout: float = limits.DEFAULT_UTILITY_TIMEOUT
     vocab_size: int | None = None
     max_logprobs: int = limits.DEFAULT_MAX_LOGPROBS
-    input_address: str | None = None
-    output_address: str | None = None
+    input_address: str | None = attrs.field(default=None, validator=_check_bind_address)
+    output_address: str | None = attrs.field(default=None, validator=_check_bind_address)
     terminate_grace: float = limits.DEFAULT_TERMINATE_GRACE
     death_on_disconnect: bool = True
     pause_gc_while_routing: bool = True
@@ -1126,14 +1135,37 @@ async def connect(
             ``config.handshake_timeout`` (the spawned engine is killed).
         EngineHandshakeError: a malformed handshake, the spawned engine exited,
             or the engine is not the required ``runtime``.
+        InvalidAddressError: a malformed handshake, input or output address
+            (:func:`zmqdispatch.addresses.check_address`; a handshake port 0
+            only with ``launch``, which is told the port picked), before any
+            socket is created.
+        AddressBindError: an address could not be bound (in use, not an
+            address of this host, permission, an ipc path refused).
 
     Cancellation: cancelling the block cancels the handshake or the pumps,
     sends queued ABORTs best-effort, closes the sockets, removes the private
     ipc directory and terminates a spawned engine.
     """
     config = config or ClientConfig()
+    # Every address is checked before a socket exists (nothing to undo).
+    if handshake_address is not None:
+        check_address(handshake_address, role="handshake_address", any_port=launch is not None)
+    if resume is not None:
+        check_address(resume.input_address, role="resume.input_address", any_port=False)
+        check_address(resume.output_address, role="resume.output_address", any_port=False)
     ctx = ZmqContext()
     ipc_dir: str | None = None
+
+    async def bind(sock: TrioSocket, address: str, role: str) -> str:
+        try:
+            # ipc paths: stale socket files unlinked, anything else refused (_ipc)
+            prepared = await _ipc.prepare_bind(address)
+        except OSError as exc:
+            error = AddressBindError(f"{role}: cannot bind {address!r}: {exc.strerror or exc}",
+                                     address=address, role=role, errno=exc.errno)
+            error.filename = exc.filename
+            raise error from None
+        return sock.bind(prepared, role=role)
 
     def ipc(name: str) -> str:
         nonlocal ipc_dir
@@ -1164,18 +1196,17 @@ async def connect(
         if resume is not None:
             if launch is not None or handshake_address is not None:
                 raise ValueError("resume= re-attaches to a running engine: no launch or handshake address")
-            # ipc paths: stale socket files unlinked, anything else refused (_ipc)
-            input_address = inp.bind(await _ipc.prepare_bind(resume.input_address))
-            output_address = out.bind(await _ipc.prepare_bind(resume.output_address))
+            input_address = await bind(inp, resume.input_address, "resume.input_address")
+            output_address = await bind(out, resume.output_address, "resume.output_address")
             await _await_reconnect(monitor, config.handshake_timeout, peer_fds)
             identity, ready = resume.identity, resume.ready
         else:
-            input_address = inp.bind(await _ipc.prepare_bind(config.input_address or ipc("input.sock")))
-            output_address = out.bind(await _ipc.prepare_bind(config.output_address or ipc("output.sock")))
+            input_address = await bind(inp, config.input_address or ipc("input.sock"), "input_address")
+            output_address = await bind(out, config.output_address or ipc("output.sock"), "output_address")
             if config.death_on_disconnect:
                 # Created before bind: the handshake sees the engine's handshake connection close.
                 hs_monitor = hs.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, name="handshake-monitor")
-            hs_address = hs.bind(await _ipc.prepare_bind(handshake_address or ipc("handshake.sock")))
+            hs_address = await bind(hs, handshake_address or ipc("handshake.sock"), "handshake_address")
             if launch is not None:
                 argv = _format_launch(launch, hs_address)
                 try:

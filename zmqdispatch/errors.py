@@ -9,6 +9,10 @@ Errors are split by blame, the way h11 and httpcore split them:
 - :class:`EngineError` -- the engine side failed. :class:`EngineDeadError`
   fails every open stream of one engine connection at once; new requests on
   that connection are refused with the same type.
+- :class:`AddressError` -- a ZMQ address (handshake, input, output) is
+  malformed (:class:`InvalidAddressError`, refused before libzmq sees it) or
+  cannot be bound (:class:`AddressBindError`: in use, not a local address,
+  permission).
 - :class:`RemoteProtocolError` -- the engine sent bytes that do not decode as
   its wire (vLLM ``EngineCoreOutputs``). Raised by the sans-IO decoders; the
   connection counts them and declares the engine dead after a streak. Streams
@@ -39,6 +43,9 @@ __all__ = [
     "EngineHandshakeTimeout",
     "UtilityCallError",
     "UtilityCallTimeout",
+    "AddressError",
+    "InvalidAddressError",
+    "AddressBindError",
     "RemoteProtocolError",
     "LocalProtocolError",
     "UnsupportedByRuntimeError",
@@ -244,6 +251,50 @@ class UtilityCallError(EngineError):
 
 class UtilityCallTimeout(UtilityCallError, TimeoutError):
     """No utility reply arrived within the call's timeout."""
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+class AddressError(ZmqDispatchError):
+    """A ZMQ endpoint we were given cannot be used.
+
+    Attributes:
+        address: the address as given.
+        role: which address it is (``"handshake_address"``, ``"input_address"``,
+            ``"output_address"``, or ``""``).
+    """
+
+    def __init__(self, message: str, *, address: str, role: str = "") -> None:
+        super().__init__(message)
+        self.address = address
+        self.role = role
+
+
+class InvalidAddressError(AddressError, ValueError):
+    """The address is malformed: no or unknown scheme, a port outside
+    1..65535 (or 0 where no port can be picked), a malformed host or ipc path.
+
+    Raised before any socket sees the address (libzmq would otherwise wrap an
+    out-of-range port to another port, or fail with a bare errno). Rules:
+    :func:`zmqdispatch.addresses.check_address`.
+    """
+
+
+class AddressBindError(AddressError, OSError):
+    """A well-formed address could not be bound: in use, not an address of this
+    host, no permission, or an ipc path refused by :mod:`zmqdispatch._ipc`.
+
+    Attributes:
+        errno: the OS error number when there is one (``errno.EADDRINUSE``, ...).
+    """
+
+    def __init__(self, message: str, *, address: str, role: str = "", errno: int | None = None) -> None:
+        super().__init__(message, address=address, role=role)
+        self.errno = errno
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 # --------------------------------------------------------------------------- protocol

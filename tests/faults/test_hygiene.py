@@ -22,7 +22,7 @@ import trio
 import zmq
 
 import zmqdispatch
-from zmqdispatch import ClientConfig, RemoteProtocolError, connect, limits
+from zmqdispatch import AddressBindError, ClientConfig, RemoteProtocolError, connect, limits
 from zmqdispatch._ipc import ipc_path, prepare_bind, prepare_bind_now, private_ipc_dir
 from zmqdispatch.testing.fake_engine import FakeEngine
 from zmqdispatch.wire import tokenspeed
@@ -268,10 +268,11 @@ async def test_connect_refuses_a_regular_file_at_a_configured_address_and_keeps_
     cfg = ClientConfig(input_address=f"ipc://{d}/in.sock", output_address=f"ipc://{d}/out.sock",
                        handshake_timeout=5)
     with trio.fail_after(GUARD):
-        with pytest.raises(FileExistsError) as ei:
+        with pytest.raises(AddressBindError) as ei:
             async with connect(f"ipc://{d}/hs.sock", config=cfg):
                 pass  # pragma: no cover
-    assert ei.value.filename == f"{d}/out.sock"
+    assert ei.value.errno == errno.EEXIST and ei.value.role == "output_address"
+    assert ei.value.filename == f"{d}/out.sock" and ei.value.address == f"ipc://{d}/out.sock"
     assert (d / "out.sock").read_text() == "precious"
     assert not os.path.lexists(d / "hs.sock")  # it stopped before binding more
 

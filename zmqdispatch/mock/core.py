@@ -11,8 +11,10 @@ What it reproduces of the real engine (vLLM 0.32, verified facts in
   ``max_model_len`` (LENGTH); ``min_tokens`` delays the first two; the stop
   token is included in the output;
 - a client ABORT removes the request and produces **no** output;
-- a duplicate live ``request_id`` or a prompt token id >= ``vocab_size`` is
-  fatal: the engine sends ``ENGINE_CORE_DEAD`` and exits (:class:`FatalEngineError`);
+- a duplicate live ``request_id``, a prompt token id >= ``vocab_size``, or a
+  prompt of ``max_model_len`` tokens or more is fatal: the engine sends
+  ``ENGINE_CORE_DEAD`` and exits (:class:`FatalEngineError`;
+  ``docs/mock_engine.md``);
 - utility calls: ``get_supported_tasks`` -> ``["generate"]``, ``is_sleeping``
   -> ``False``, unknown methods -> ``"Call to <m> method failed: ..."``;
   mock-only introspection for leak checks (not vLLM methods):
@@ -91,7 +93,8 @@ class MockEngineCore:
         engine's preprocessing refuses (``max_tokens`` nil), else ``None``.
 
         Raises:
-            FatalEngineError: duplicate live id, or a token id >= vocab_size.
+            FatalEngineError: duplicate live id, a token id >= vocab_size, or
+                a prompt of ``max_model_len`` tokens or more (all kill vLLM 0.32).
         """
         self.requests_received += 1
         rid = request.request_id
@@ -99,6 +102,14 @@ class MockEngineCore:
             raise FatalEngineError(f"AssertionError: duplicate request id {rid}")
         if any(t >= self.vocab_size for t in request.prompt_token_ids or ()):
             raise FatalEngineError("IndexError: token id out of range for the embedding table")
+        prompt_len = len(request.prompt_token_ids or ())
+        if prompt_len >= self.max_model_len:
+            # vLLM 0.32's EngineCore does not check the prompt length: its worker
+            # fails sampling the first token past max_model_len (docs/mock_engine.md).
+            raise FatalEngineError(
+                f"RuntimeError: worker failed: a prompt of {prompt_len} tokens with max_model_len "
+                f"{self.max_model_len}"
+            )
         sp = request.sampling_params
         if sp is None or sp.max_tokens is None:
             return wire.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ERROR)

@@ -46,11 +46,17 @@ class EngineSockets:
     engine_index: int
     #: the handshake DEALER, kept open when READY was held back (a slow engine)
     handshake: TrioSocket | None = None
+    #: monitor of ``input`` (``EVENT_DISCONNECTED | EVENT_HANDSHAKE_SUCCEEDED``)
+    #: when dialed with ``monitor_input=True``: the client's departure and return
+    input_monitor: TrioSocket | None = None
 
-    def close(self) -> None:
-        """Close the sockets (linger 0)."""
+    def close(self, *, output_linger_ms: int = 0) -> None:
+        """Close the sockets (linger 0; the output's *output_linger_ms*). Idempotent."""
+        if self.input_monitor is not None:
+            self.input.disable_monitor()
+            self.input_monitor.close()
         self.input.close()
-        self.output.close()
+        self.output.close(linger_ms=output_linger_ms)
         if self.handshake is not None:
             self.handshake.close()
 
@@ -66,6 +72,7 @@ async def dial(
     send_ready: bool = True,
     input_rcvhwm: int = 0,
     tokenspeed: bool = False,
+    monitor_input: bool = False,
 ) -> EngineSockets:
     """Do the engine half of the handshake and return the data-plane sockets.
 
@@ -73,7 +80,12 @@ async def dial(
     never completes (fault injection); without READY the handshake connection
     stays open (in ``EngineSockets.handshake``), as a slow engine's does.
     ``input_rcvhwm`` is 0 (unbounded) as in vLLM; a small value lets a test
-    make the client's sends block.
+    make the client's sends block. ``monitor_input`` adds
+    ``EngineSockets.input_monitor``.
+
+    Raises:
+        InvalidAddressError: libzmq refused an address (the handshake
+            address, or one the INIT named).
 
     Cancellation: the sockets created so far are closed.
     """
@@ -82,8 +94,11 @@ async def dial(
     hs = ctx.socket(zmq.DEALER, name="engine-handshake", identity=identity)
     inp = ctx.socket(zmq.DEALER, name="engine-input", identity=identity, rcvhwm=input_rcvhwm)
     out = ctx.socket(zmq.PUSH, name="engine-output", sndhwm=0)
+    # Created before connect, so that no event of the input connection is missed.
+    mon = inp.monitor(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                      name="engine-input-monitor") if monitor_input else None
     try:
-        hs.connect(handshake_address)
+        hs.connect(handshake_address, role="handshake_address")
         if tokenspeed:
             await hs.send([ts.encode_hello()])
             # TokenSpeed takes the last frame of the INIT message as its payload.
@@ -105,12 +120,10 @@ async def dial(
             if send_ready:
                 await hs.send([wire.encode_ready(local=local, headless=headless)])
     except BaseException:
-        inp.close()
-        out.close()
-        hs.close()
+        EngineSockets(inp, out, engine_index, hs, mon).close()
         raise
     if not send_ready:
-        return EngineSockets(inp, out, engine_index, hs)
+        return EngineSockets(inp, out, engine_index, hs, mon)
     # vLLM's engine lingers 5 s on this socket so READY is not lost (TokenSpeed's too).
     hs.close(linger_ms=5000)
-    return EngineSockets(inp, out, engine_index)
+    return EngineSockets(inp, out, engine_index, input_monitor=mon)

@@ -47,14 +47,25 @@ import time
 
 import attrs
 import trio
+import zmq
 
+from .._zmq_trio import TrioSocket, parse_monitor_event
+from ..addresses import check_address
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from .core import FatalEngineError, MockEngineCore
 from .dial import EngineSockets, dial
 from .tokenspeed_core import MockTokenSpeedScheduler
 
-__all__ = ["MockEngineConfig", "parse_fault", "run_mock_engine", "start_mock_engine", "FAULT_KINDS", "RUNTIMES"]
+__all__ = [
+    "MockEngineConfig",
+    "parse_fault",
+    "run_mock_engine",
+    "serve_mock_engine",
+    "start_mock_engine",
+    "FAULT_KINDS",
+    "RUNTIMES",
+]
 
 #: ``--runtime`` values.
 RUNTIMES = ("vllm", "tokenspeed")
@@ -355,16 +366,23 @@ def _ready_response(cfg: MockEngineConfig) -> wire.EngineCoreReadyResponse:
     )
 
 
-async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False) -> _MockEngine | _TokenSpeedMockEngine:
+async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False,
+                            monitor_input: bool = False) -> _MockEngine | _TokenSpeedMockEngine:
     """Dial *cfg.handshake_address* and return the engine, ready to ``run()``.
 
     ``in_process=True`` is for tests that run the mock inside their own trio run
     (its state inspectable): an engine "exit" (fault or fatal error) then closes
     its sockets and ends ``run()`` instead of ending the process. The program
-    entry point is :func:`run_mock_engine`.
+    entry point is :func:`run_mock_engine`; :func:`serve_mock_engine` serves one
+    client after another. ``monitor_input``: see :func:`.dial.dial`.
+
+    Raises:
+        InvalidAddressError: a malformed handshake address (checked before
+            dialing: a port in 1..65535, no wildcard).
     """
     if cfg.runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {cfg.runtime!r}; choose from {', '.join(RUNTIMES)}")
+    check_address(cfg.handshake_address, role="handshake_address", bind=False, any_port=False)
     tokenspeed = cfg.runtime == "tokenspeed"
     socks = await dial(
         cfg.handshake_address,
@@ -374,26 +392,108 @@ async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False) 
         headless=cfg.headless,
         send_ready=cfg.fault("no-ready") is None,
         tokenspeed=tokenspeed,
+        monitor_input=monitor_input,
     )
     engine = _TokenSpeedMockEngine(cfg, socks) if tokenspeed else _MockEngine(cfg, socks)
     engine.in_process = in_process
     return engine
 
 
+async def _client_left(monitor: TrioSocket) -> None:
+    """Return when the engine's input connection to its client closed."""
+    while True:
+        event, _, _ = parse_monitor_event(await monitor.recv_multipart())
+        if event == zmq.EVENT_DISCONNECTED:
+            return
+
+
+async def _client_back(monitor: TrioSocket) -> None:
+    """Return when the engine's input connection is up again (a resumed client)."""
+    while True:
+        event, _, _ = parse_monitor_event(await monitor.recv_multipart())
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return
+
+
+async def serve_mock_engine(
+    cfg: MockEngineConfig,
+    *,
+    in_process: bool = False,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve clients one after another, until cancelled or the engine exits.
+
+    Dial the handshake address, serve that client; when its input connection
+    closes (the client closed or died: a monitor ``EVENT_DISCONNECTED`` on the
+    engine's input DEALER), two things race: the old data-plane sockets
+    reconnecting (a client resuming the session on the same input/output
+    addresses, as a real vLLM engine's do: the engine and its running requests
+    go on), and a new handshake on the handshake address (a new client: a fresh
+    engine, the old one's sockets closed). ``task_status.started()`` is called
+    once the first handshake completed.
+
+    Cancellation: the engine being served is shut down as on SIGTERM (its
+    running requests get a finish ABORT, best effort, for at most 1 s) and
+    every socket is closed; a handshake in progress is abandoned.
+
+    Raises:
+        InvalidAddressError: a malformed handshake address.
+    """
+    engine = await start_mock_engine(cfg, in_process=in_process, monitor_input=True)
+    task_status.started()
+    while True:
+        replacement: list = []
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def run_then_stop() -> None:
+                    await engine.run()  # returns only when an in-process engine "exited"
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(run_then_stop)
+                monitor = engine.socks.input_monitor
+                assert monitor is not None
+                while True:
+                    await _client_left(monitor)
+                    async with trio.open_nursery() as race:
+
+                        async def back() -> None:
+                            await _client_back(monitor)
+                            race.cancel_scope.cancel()
+
+                        async def next_client() -> None:
+                            replacement.append(
+                                await start_mock_engine(cfg, in_process=in_process, monitor_input=True))
+                            race.cancel_scope.cancel()
+
+                        race.start_soon(back)
+                        race.start_soon(next_client)
+                    if replacement:
+                        nursery.cancel_scope.cancel()
+                        break
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await engine.shutdown()
+            engine.socks.close(output_linger_ms=1000)
+            for other in replacement:
+                other.socks.close()
+            raise
+        engine.socks.close()
+        if not replacement:
+            return  # the in-process engine exited
+        engine = replacement[0]
+
+
 async def run_mock_engine(cfg: MockEngineConfig) -> int:
-    """Dial *cfg.handshake_address*, serve until SIGTERM/SIGINT; return the exit code."""
+    """Serve clients one after another (:func:`serve_mock_engine`) until
+    SIGTERM/SIGINT, in any state (before a client, during a handshake, serving,
+    between clients); return the exit code (0)."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        engine = await start_mock_engine(cfg)
-        socks = engine.socks
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine.run)
+            nursery.start_soon(serve_mock_engine, cfg)
             async for _ in signals:
-                nursery.cancel_scope.cancel()
                 break
-        with trio.move_on_after(2):
-            await engine.shutdown()
-        socks.output.close(linger_ms=2000)
-        socks.input.close()
+            nursery.cancel_scope.cancel()
     return 0
 
 
