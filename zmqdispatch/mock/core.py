@@ -14,7 +14,7 @@ What it reproduces of the real engine (vLLM 0.32, verified facts in
 - a duplicate live ``request_id``, a prompt token id >= ``vocab_size``, or a
   prompt of ``max_model_len`` tokens or more is fatal: the engine sends
   ``ENGINE_CORE_DEAD`` and exits (:class:`FatalEngineError`;
-  ``docs/mock_engine.md``);
+  ``docs/mock-engine.md``);
 - utility calls: ``get_supported_tasks`` -> ``["generate"]``, ``is_sleeping``
   -> ``False``, unknown methods -> ``"Call to <m> method failed: ..."``;
   mock-only introspection for leak checks (not vLLM methods):
@@ -105,7 +105,7 @@ class MockEngineCore:
         prompt_len = len(request.prompt_token_ids or ())
         if prompt_len >= self.max_model_len:
             # vLLM 0.32's EngineCore does not check the prompt length: its worker
-            # fails sampling the first token past max_model_len (docs/mock_engine.md).
+            # fails sampling the first token past max_model_len (docs/mock-engine.md).
             raise FatalEngineError(
                 f"RuntimeError: worker failed: a prompt of {prompt_len} tokens with max_model_len "
                 f"{self.max_model_len}"
