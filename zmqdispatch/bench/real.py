@@ -332,7 +332,9 @@ def format_real(real: dict[str, Any]) -> str:
         "the wait since the previous delivery (tokens that came merged with it count 0), receipt times for every "
         "client; engine-timestamp columns (zmqdispatch only): the same from `EngineCoreOutputs.timestamp`. "
         "Longest gap: the longest wait between two deliveries of one stream (median over rounds of each run's "
-        "maximum). Client CPU: the client process, all threads (SMG: its router process; SMG also detokenizes). "
+        "maximum). Client CPU: the client process, all threads (SMG: its router process; SMG also detokenizes, and "
+        "sent one event per engine output in every run we saw, never merging: its own-delta share stays 100 % and its "
+        "stalls show in the longest gap). "
         "× AsyncLLM: tokens/s over AsyncLLM's in the same topology and round: median (range; rounds ahead).",
         "",
         "Targets (reported, not tests): tokens/s >= 1.0x AsyncLLM; >= 95 % of tokens as a delta of their own; "
