@@ -84,6 +84,29 @@ def test_process_sessions_tells_a_new_session_from_a_process_group() -> None:
             p.wait()
 
 
+def test_service_engine_runs_headless_in_a_session_of_its_own_and_stops(tmp_path) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "engine.py").write_text(
+        "import json, os, sys, time\n"
+        f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+        "time.sleep(60)\n")
+    engine = real.ServiceEngine(sys.executable, scripts, "ipc:///x/hs.sock", ["--seed", "0"], tmp_path / "e.log")
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "argv.json").exists():
+            assert time.monotonic() < deadline and engine.proc.poll() is None
+            time.sleep(0.01)  # waiting for a child process to start, not for a state to settle
+        argv = json.loads((tmp_path / "argv.json").read_text())
+        assert argv[:3] == ["--headless", "--handshake-address", "ipc:///x/hs.sock"]
+        assert argv[3:5] == ["--seed", "0"] and argv[5:] == ["--parent-pid", str(os.getpid())]
+        procs = engine.processes()
+        assert procs["sid"] == engine.proc.pid != os.getsid(0)
+    finally:
+        engine.stop(timeout=10)
+    assert engine.proc.returncode is not None
+
+
 def _settings(tmp_path: Path, *extra: str) -> harness.BenchSettings:
     args = cli._build_parser().parse_args([
         "bench", "--cells", "none", "--real-engine", "--no-plot", "--no-progress", "--output-dir",

@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot"]
+__all__ = ["plot", "plot_real"]
 
 _STYLE = {"raw": ("#7f7f7f", "--", "s"), "zmqdispatch": ("#1f77b4", "-", "o"),
           "zmqdispatch-group": ("#2ca02c", "-.", "D"), "vllm": ("#d62728", "-", "^"), "smg": ("#9467bd", "-", "v")}
-_LABEL = {"raw": "raw pyzmq+msgpack loop (limit)", "zmqdispatch": "zmqdispatch (a task per stream)", "smg": "SMG (Rust gateway)",
+_LABEL = {"raw": "raw pyzmq+msgpack loop (limit)", "zmqdispatch": "zmqdispatch (a task per stream)",
+          "smg": "SMG (Rust gateway)",
           "zmqdispatch-group": "zmqdispatch StreamGroup (one reader task)", "vllm": "vLLM AsyncLLM"}
 
 
@@ -114,7 +115,8 @@ def plot_real(doc: dict[str, Any], path: Path | str) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     machine = doc.get("machine", {})
-    fig.suptitle(f"Real vLLM EngineCore (tiny model, CPU): {real['sequences']} sequences x {real['max_tokens']} tokens; "
+    fig.suptitle(f"Real vLLM EngineCore (tiny model, CPU): {real['sequences']} sequences x "
+                 f"{real['max_tokens']} tokens; "
                  f"{machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores; medians of {real['rounds']} rounds "
                  "(dots: rounds)", fontsize=9)
     fig.tight_layout()

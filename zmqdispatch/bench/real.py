@@ -323,7 +323,8 @@ def format_real(real: dict[str, Any]) -> str:
                 f"| {topology} | {client} | {m['tokens_per_s']:,.0f} | {ratio} "
                 f"| {_fmt(ttft.get('p50'), '.1f')} / {_fmt(ttft.get('p99'), '.1f')} "
                 f"| {_fmt(itl.get('p50'), '.2f')} / {_fmt(itl.get('p99'), '.1f')} | {eng} "
-                f"| {_fmt(m.get('longest_gap_ms'), ',.0f')} | {_fmt((m.get('deliveries_per_stream') or {}).get('mean'), '.1f')} "
+                f"| {_fmt(m.get('longest_gap_ms'), ',.0f')} "
+                f"| {_fmt((m.get('deliveries_per_stream') or {}).get('mean'), '.1f')} "
                 f"| {_fmt(m.get('separate_delta_fraction'), '.1%')} | {_fmt(m.get('cpu_us_per_token'), '.1f')} "
                 f"| {session}{f' ({errors} failed runs)' if errors else ''} |")
     lines += [
