@@ -204,8 +204,10 @@ def test_every_client_runs_in_both_topologies_interleaved_in_alternating_order(t
         t = doc["targets"][topology]
         assert t["zmqdispatch"]["tokens_per_s_met"] is True and t["zmqdispatch"]["separate_deltas_met"] is True
         assert t["smg"]["tokens_per_s_met"] is False and t["vllm"]["ttft_met"] is True
+    assert doc["service_vs_launched"] == {c: pytest.approx(1.0) for c in ("zmqdispatch", "vllm", "smg")}
     md = real.format_real(doc)
     assert "| service | zmqdispatch |" in md and "| launched | smg |" in md and "1.100x" in md
+    assert "session: zmqdispatch 1.00x, vllm 1.00x, smg 1.00x." in md
     assert json.loads(json.dumps(doc)) == doc
 
 

@@ -176,7 +176,22 @@ def run_real(settings: Any, model_dir: str, logs: Path, progress: Any, *, client
                    for t, by in rounds.items()},
     }
     doc["targets"] = targets(doc)
+    doc["service_vs_launched"] = service_vs_launched(doc)
     return doc
+
+
+def service_vs_launched(doc: dict[str, Any]) -> dict[str, float | None]:
+    """Per client: median tokens/s with the engine as a service over the same
+    with the engine launched by the client (what the session split costs it)."""
+    by = doc["results"]
+    if not {"launched", "service"} <= set(by):
+        return {}
+    out: dict[str, float | None] = {}
+    for client in by["launched"]:
+        a = by["launched"][client]["median"].get("tokens_per_s")
+        b = by.get("service", {}).get(client, {}).get("median", {}).get("tokens_per_s")
+        out[client] = b / a if a and b else None
+    return out
 
 
 def _one_run(settings: Any, model_dir: str, logs: Path, progress: Any, cmd: dict[str, Any], rnd: int, client: str,
@@ -351,6 +366,10 @@ def format_real(real: dict[str, Any]) -> str:
                          f"| {_mark(t['separate_deltas_met'])} ({_fmt(t['separate_delta_fraction'], '.1%')}) "
                          f"| {_mark(t['ttft_met'])} ({_fmt(t['ttft_p50_ms'], '.1f')} vs "
                          f"{_fmt(t['ttft_vllm_p50_ms'], '.1f')} ms) |")
+    cost = real.get("service_vs_launched")
+    if cost:
+        lines.append("\nTokens/s with the engine as a service over the same with the engine in the client's "
+                     "session: " + ", ".join(f"{c} {_fmt(v, '.2f')}x" for c, v in cost.items()) + ".")
     for topology, by in real.get("targets", {}).items():
         if by and all(t["separate_deltas_met"] is False for t in by.values()):
             lines.append(f"\nIn topology {topology}, no client (AsyncLLM included) delivered 95 % of its tokens "
