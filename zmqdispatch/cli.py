@@ -101,6 +101,9 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--tokenizer", metavar="FILE",
                      help="tokenizer.json of the model (needs the 'tokenizers' extra); enables stop strings")
     eng.add_argument("--mock-max-model-len", type=int, default=4096, help="embedded mock only")
+    eng.add_argument("--allow-unknown-engine-version", action="store_true",
+                     help="connect to an engine version the wire codec was not checked against "
+                          "(logs a warning; default: refuse it)")
 
     m = sub.add_parser(
         "mock-engine",
@@ -269,6 +272,7 @@ async def _dispatch(args: argparse.Namespace, req: object) -> int:
         silence_timeout=args.silence_timeout,
         vocab_size=args.vocab_size,
         max_logprobs=args.max_logprobs,
+        allow_unknown_engine_version=args.allow_unknown_engine_version,
     )
     launch: str | list[str] | None
     if args.handshake_address is not None:

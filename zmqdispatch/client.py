@@ -28,6 +28,7 @@ when the exit is a cancellation (an ``await`` in a cancelled scope would raise
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import shlex
@@ -56,10 +57,13 @@ from .errors import (
 )
 from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
 from .protocol.runtime import Runtime
+from .protocol.versions import EngineVersion, check_engine_version
 from .protocol.mailbox import Mailbox, OutputDelta
 from .wire import vllm as wire
 
 __all__ = ["ClientConfig", "EngineClient", "EngineSession", "RequestStream", "connect"]
+
+_handshake_log = logging.getLogger("zmqdispatch.handshake")
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +107,13 @@ class ClientConfig:
             disabled. Process-wide, like every ``gc`` switch: another thread
             allocating in that window (at most one batch's routing) is not
             collected until it ends.
+        allow_unknown_engine_version: connect to an engine whose reported
+            version the wire codec was not checked against (known: vLLM 0.32.x
+            and 0.33.x, TokenSpeed 0.1.1; :mod:`zmqdispatch.protocol.versions`),
+            logging a WARNING on the ``zmqdispatch.handshake`` logger. Off by
+            default: such an engine fails the handshake with
+            ``EngineHandshakeError``, since a changed positional layout would
+            be misread without any decode error.
     """
 
     handshake_timeout: float = limits.DEFAULT_HANDSHAKE_TIMEOUT
@@ -119,6 +130,7 @@ class ClientConfig:
     terminate_grace: float = limits.DEFAULT_TERMINATE_GRACE
     death_on_disconnect: bool = True
     pause_gc_while_routing: bool = True
+    allow_unknown_engine_version: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -429,6 +441,13 @@ class EngineClient:
     def protocol(self) -> EngineProtocol:
         """The sans-IO state (counters, inflight); read-only use."""
         return self._protocol
+
+    @property
+    def engine_version(self) -> EngineVersion:
+        """The engine's version from its ready response (``vllm_version``):
+        release, runtime, and whether the codec was checked against it
+        (:class:`~zmqdispatch.protocol.versions.EngineVersion`)."""
+        return EngineVersion.parse(self.ready.vllm_version)
 
     @property
     def max_model_len(self) -> int:
@@ -1043,6 +1062,19 @@ async def _handshake(
     return result["identity"], result["ready"]
 
 
+def _check_version(ready: wire.EngineCoreReadyResponse, config: ClientConfig) -> EngineVersion:
+    """The version guard (:mod:`zmqdispatch.protocol.versions`): refuse an
+    engine version the codec was not checked against, or warn when the caller
+    allowed it."""
+    try:
+        version = check_engine_version(ready.vllm_version, allow_unknown=config.allow_unknown_engine_version)
+    except ValueError as exc:
+        raise EngineHandshakeError(str(exc)) from None
+    if not version.known:
+        _handshake_log.warning("%s; connecting anyway (allow_unknown_engine_version)", version.unknown_message())
+    return version
+
+
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -1205,6 +1237,7 @@ async def connect(
                 hs_monitor.close()
                 hs_monitor = None
         hs.close()
+        _check_version(ready, config)
         engine_index = int.from_bytes(identity, "little") if len(identity) == 2 else 0
         protocol = EngineProtocol(
             engine_index=engine_index,
