@@ -160,7 +160,8 @@ def test_cli_flag(tmp_path, allow):
     if allow:
         assert p.returncode == 0, p.stderr
         assert "connecting anyway" in p.stderr
-        assert '"outputIds": [5, 6]' in p.stdout.replace("\n", "") or "5" in p.stdout
+        complete = json.loads(p.stdout.splitlines()[-1])["complete"]
+        assert [int(t) for t in complete["output_ids"]] == [5, 6], complete
     else:
         assert p.returncode == 3, p.stderr
         assert "--allow-unknown-engine-version" in p.stderr and not p.stdout
