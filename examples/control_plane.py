@@ -16,8 +16,7 @@ import sys
 
 import trio
 
-from zmqdispatch import ClientConfig, UnsupportedByRuntimeError, UtilityCallError, connect
-from zmqdispatch.protocol.control import LoRARequest
+from zmqdispatch import ClientConfig, LoRARequest, UnsupportedByRuntimeError, UtilityCallError, connect
 from zmqdispatch.wire import vllm as wire
 
 MOCK = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}"]

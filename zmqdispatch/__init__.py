@@ -14,7 +14,7 @@ wire; ``_zmq_trio`` the only module that calls pyzmq; ``client`` the trio
 shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
 """
 
-from .client import ClientConfig, EngineClient, EngineSession, RequestStream, connect
+from .client import ClientConfig, EngineClient, EngineSession, LoRARequest, RequestStream, connect
 from . import errors
 from .errors import *  # noqa: F403  (the public hierarchy, listed in errors.__all__)
 from .protocol.mailbox import OutputDelta
@@ -23,6 +23,7 @@ __all__ = [
     "ClientConfig",
     "EngineClient",
     "EngineSession",
+    "LoRARequest",
     "RequestStream",
     "OutputDelta",
     "connect",

@@ -62,7 +62,9 @@ from .protocol.versions import EngineVersion, check_engine_version
 from .protocol.mailbox import Mailbox, OutputDelta
 from .wire import vllm as wire
 
-__all__ = ["ClientConfig", "EngineClient", "EngineSession", "RequestStream", "connect"]
+__all__ = ["ClientConfig", "EngineClient", "EngineSession", "LoRARequest", "RequestStream", "connect"]
+
+LoRARequest = control.LoRARequest
 
 _handshake_log = logging.getLogger("zmqdispatch.handshake")
 
