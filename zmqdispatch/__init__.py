@@ -22,7 +22,7 @@ try:
 except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-from .client import ClientConfig, EngineClient, EngineSession, RequestStream, connect
+from .client import ClientConfig, EngineClient, EngineSession, LoRARequest, RequestStream, connect
 from . import errors
 from .errors import *  # noqa: F403  (the public hierarchy, listed in errors.__all__)
 from .protocol.mailbox import OutputDelta
@@ -32,6 +32,7 @@ __all__ = [
     "ClientConfig",
     "EngineClient",
     "EngineSession",
+    "LoRARequest",
     "RequestStream",
     "OutputDelta",
     "connect",

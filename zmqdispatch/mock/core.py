@@ -15,8 +15,17 @@ What it reproduces of the real engine (vLLM 0.32, verified facts in
   prompt of ``max_model_len`` tokens or more is fatal: the engine sends
   ``ENGINE_CORE_DEAD`` and exits (:class:`FatalEngineError`;
   ``docs/mock-engine.md``);
-- utility calls: ``get_supported_tasks`` -> ``["generate"]``, ``is_sleeping``
-  -> ``False``, unknown methods -> ``"Call to <m> method failed: ..."``;
+- utility calls: ``get_supported_tasks`` -> ``["generate"]``; the control
+  plane of vLLM 0.32 as a CPU engine started without LoRA or a profiler answers
+  it (``docs/control-plane.md``): ``sleep(level, mode)`` / ``wake_up(tags)`` /
+  ``is_sleeping``, ``pause_scheduler(mode, clear_cache)`` / ``resume_scheduler`` /
+  ``is_scheduler_paused`` (while paused nothing steps and new requests wait;
+  mode ``"abort"`` finishes the running requests with ABORT outputs before the
+  reply, ``"keep"`` freezes them; ``"wait"`` is answered at once when nothing runs
+  and refused otherwise: the mock does not defer replies), ``reset_prefix_cache``
+  -> ``True``, ``collective_rpc("check_health")`` -> ``[None]``, the LoRA calls and
+  ``profile`` fail with the real engine's "not enabled" messages; unknown methods
+  -> ``"Call to <m> method failed: ..."``;
   mock-only introspection for leak checks (not vLLM methods):
   ``zmqd_live_requests`` -> the number of running requests, ``zmqd_live_ids``
   -> their ids (first 1,000, sorted), ``zmqd_stats`` ->
@@ -41,6 +50,8 @@ from collections import deque
 from ..wire import vllm as wire
 
 __all__ = ["MockEngineCore", "FatalEngineError", "mock_token"]
+
+_UNKNOWN = object()  # not a control-plane method
 
 
 class FatalEngineError(Exception):
@@ -87,6 +98,12 @@ class MockEngineCore:
         self.aborts_total = 0
         self.requests_received = 0
         self.steps = 0
+        #: scheduling paused (pause_scheduler, sleep): nothing steps, new requests wait
+        self.paused = False
+        #: memory released by a sleep of level >= 1 (until wake_up brings it back)
+        self.memory_asleep = False
+        #: outputs a utility call produced (pause with mode "abort"), sent before its reply
+        self.utility_outputs: list[wire.EngineCoreOutput] = []
 
     def add(self, request: wire.EngineCoreRequest) -> wire.EngineCoreOutput | None:
         """Admit an ADD. Returns an immediate ERROR output for a request the
@@ -127,8 +144,15 @@ class MockEngineCore:
             self.aborts_total += 1
             self.running.pop(rid, None)
 
+    @property
+    def schedulable(self) -> bool:
+        """Whether a step would do anything (requests run and scheduling is not paused)."""
+        return bool(self.running) and not self.paused
+
     def step(self) -> list[wire.EngineCoreOutput]:
-        """Advance every running request by ``tokens_per_step`` tokens."""
+        """Advance every running request by ``tokens_per_step`` tokens (nothing while paused)."""
+        if self.paused:
+            return []
         self.steps += 1
         outputs: list[wire.EngineCoreOutput] = []
         finished: list[str] = []
@@ -181,14 +205,61 @@ class MockEngineCore:
         self.running.clear()
         return outs
 
-    def utility(self, method: str, args: tuple) -> tuple[object, str | None]:
-        """Run a utility method: ``(result, failure_message)``."""
-        if method == "get_supported_tasks":
-            return ("generate",), None
+    def _pause(self, mode: object) -> str | None:
+        """vLLM's pause_scheduler: ``None``, or why the mock refuses it."""
+        if mode not in ("abort", "wait", "keep"):
+            return f"Invalid pause mode: {mode}"
+        if mode == "wait" and self.running:
+            return "pause mode 'wait' with running requests is not reproduced by the mock (it answers at once)"
+        if mode == "abort":
+            self.utility_outputs.extend(self.abort_all())
+        self.paused = True
+        return None
+
+    def _control(self, method: str, args: tuple) -> tuple[object, str | None]:
+        """The control-plane utility methods (module doc); ``(result, failure_message)``."""
         if method == "is_sleeping":
-            return False, None
+            return self.paused or self.memory_asleep, None
+        if method == "is_scheduler_paused":
+            return self.paused, None
+        if method == "sleep":
+            level = args[0] if args else 1
+            why = self._pause(args[1] if len(args) > 1 else "abort")
+            if why is None and level >= 1:
+                self.memory_asleep = True
+            return None, why
+        if method == "pause_scheduler":
+            return None, self._pause(args[0] if args else "abort")
+        if method == "resume_scheduler":
+            self.paused = False
+            return None, None
+        if method == "wake_up":
+            tags = args[0] if args else None
+            if tags is None or any(t != "scheduling" for t in tags):
+                self.memory_asleep = False
+            if not self.memory_asleep:
+                self.paused = False
+            return not self.memory_asleep, None
         if method == "reset_prefix_cache":
             return True, None
+        if method == "collective_rpc":
+            if args and args[0] == "check_health":
+                return [None], None
+            return None, f"Worker failed with error ''MockWorker' object has no attribute '{args[0] if args else ''}''"
+        if method in ("add_lora", "remove_lora", "pin_lora", "list_loras"):
+            return None, "Worker failed with error 'LoRA is not enabled. Use --enable-lora to enable LoRA.'"
+        if method == "profile":
+            return None, "Worker failed with error 'Profiling is not enabled. Please set --profiler-config to enable profiling.'"
+        return _UNKNOWN, None
+
+    def utility(self, method: str, args: tuple) -> tuple[object, str | None]:
+        """Run a utility method: ``(result, failure_message)``. Outputs it
+        produced (a pause with mode ``"abort"``) are in :attr:`utility_outputs`."""
+        if method == "get_supported_tasks":
+            return ("generate",), None
+        result, failure = self._control(method, args)
+        if result is not _UNKNOWN:
+            return result, None if failure is None else f"Call to {method} method failed: {failure}"
         if method == "zmqd_live_requests":
             return len(self.running), None
         if method == "zmqd_live_ids":

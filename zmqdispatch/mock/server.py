@@ -171,7 +171,7 @@ class _EngineLoop:
                 _exit(self, 1, flush=True)
             while self.extra:
                 await out.send(self.extra.pop(0))
-            if not self.core.running:
+            if not getattr(self.core, "schedulable", self.core.running):
                 self.wake = trio.Event()
                 await self.wake.wait()
                 next_step = trio.current_time()
@@ -181,7 +181,7 @@ class _EngineLoop:
                 await trio.sleep_until(next_step)
             else:
                 await trio.sleep(0)
-            if self.fatal is not None or not self.core.running:
+            if self.fatal is not None or not getattr(self.core, "schedulable", self.core.running):
                 continue
             self.steps += 1
             if sentinel_at is not None and self.steps > sentinel_at:
@@ -256,6 +256,9 @@ class _MockEngine(_EngineLoop):
                 elif kind == wire.RequestType.UTILITY:
                     call = wire.decode_utility_call(payload)
                     result, failure = self.core.utility(call.method, tuple(call.args))
+                    if self.core.utility_outputs:  # a pause that aborted requests: their finishes first
+                        outs, self.core.utility_outputs = self.core.utility_outputs, []
+                        self.extra.append(self._encode(outs, finished=tuple(o.request_id for o in outs)))
                     self.extra.append(
                         self._encode([], utility=wire.UtilityOutput(call_id=call.call_id, failure_message=failure,
                                                                     result=None if failure else wire.UtilityResult(result)))

@@ -18,9 +18,10 @@ import json
 import math
 
 from .. import limits
-from ..errors import ContextLengthError, RequestRejected
+from ..errors import ContextLengthError, LocalProtocolError, RequestRejected
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
+from ..wire.tensors import check_tensor
 
 __all__ = ["check_request", "check_sampling_params", "check_tokenspeed_request", "json_depth"]
 
@@ -214,6 +215,18 @@ def check_request(
             for t in getattr(sp, name):
                 if t >= vocab_size:
                     raise _reject(rid, f"sampling_params.{name}", f"token id {t} is not below vocab_size={vocab_size}")
+    if request.prompt_embeds is not None:
+        try:
+            check_tensor(request.prompt_embeds, torch=True)
+        except LocalProtocolError as exc:
+            raise _reject(rid, "prompt_embeds", str(exc)) from None
+    for name in wire.OPAQUE_REQUEST_FIELDS:
+        value = getattr(request, name)
+        if value is not None:
+            try:
+                wire.check_opaque_value(value, name)
+            except LocalProtocolError as exc:
+                raise _reject(rid, name, str(exc)) from None
     if request.data_parallel_rank is not None and (
         not _is_int(request.data_parallel_rank) or request.data_parallel_rank < 0
     ):

@@ -40,7 +40,7 @@ def _pack(obj: Any) -> bytes:
     # use_single_float=False: every float is float64 ("cb"), as msgspec writes it.
     try:
         return msgpack.packb(obj, use_bin_type=True, use_single_float=False, datetime=False)
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, BufferError) as exc:
         raise LocalProtocolError(f"value cannot be encoded as msgpack: {exc}") from None
 
 

@@ -42,6 +42,8 @@ __all__ = [
     "DType",
     "Tensor",
     "dtype_info",
+    "as_c_bytes",
+    "check_tensor",
     "decode_tensor",
     "encode_tensor",
     "ext_hook",
@@ -130,6 +132,15 @@ for _short, _name in _NUMPY.items():
 del _name, _code, _size, _kind, _short, _prefix
 
 
+# struct format character (native size, as memoryview reports it) -> torch name
+_FORMATS: dict[tuple[str, int], str] = {
+    ("?", 1): "bool", ("b", 1): "int8", ("B", 1): "uint8", ("h", 2): "int16", ("H", 2): "uint16",
+    ("i", 4): "int32", ("I", 4): "uint32", ("l", 4): "int32", ("L", 4): "uint32", ("l", 8): "int64",
+    ("L", 8): "uint64", ("q", 8): "int64", ("Q", 8): "uint64", ("e", 2): "float16", ("f", 4): "float32",
+    ("d", 8): "float64",
+}
+
+
 def dtype_info(dtype: str) -> DType | None:
     """Resolve a wire dtype string (numpy ``dtype.str`` or torch name); ``None`` if unknown."""
     return _DTYPES.get(dtype) if type(dtype) is str else None
@@ -147,9 +158,13 @@ class Tensor:
         dtype: the dtype string exactly as on the wire (numpy ``"<f4"`` for ndarrays,
             torch ``"float32"`` for tensors); kept verbatim so re-encoding is byte-exact.
         shape: dimension sizes (``()`` for a 0-d scalar).
-        data: ``nbytes`` raw C-contiguous bytes, little-endian unless ``dtype`` starts
-            with ``">"``. Inline data is ``bytes``; aux data is the frame object itself
-            (no copy).
+        data: ``nbytes`` raw bytes, little-endian unless ``dtype`` starts with
+            ``">"``. Decoded: inline data is ``bytes``, aux data the frame object
+            itself (no copy). To send: any buffer (a numpy array or a view of one,
+            a ``memoryview``...) whose elements in C order are the tensor's; a
+            non-contiguous view is copied into C order when the request is
+            encoded, a contiguous one is sent without a copy (keep it unchanged
+            until then). A torch tensor: ``Tensor.from_array(t)``.
 
     The decoder guarantees ``len(data) == prod(shape) * itemsize``; a hand-built Tensor
     is checked when it is encoded.
@@ -210,6 +225,52 @@ class Tensor:
             code = info.code
         flat = struct.unpack_from(f"{'>' if info.big_endian else '<'}{n}{code}", buf)
         return _reshape(flat, self.shape)
+
+    @classmethod
+    def from_array(cls, array: Any, *, dtype: str | None = None, torch: bool = True) -> "Tensor":
+        """A tensor over *array*'s memory, in any layout (sent in C order).
+
+        Args:
+            array: a CPU ``torch.Tensor`` (made contiguous: a copy only for a
+                non-contiguous view) or anything with the buffer protocol (a numpy
+                array or view, a ``memoryview``; kept as is, see ``data``).
+            dtype: the element type when the buffer does not say it (a torch
+                bfloat16 tensor viewed as int16 / uint16, raw bytes); default: the
+                array's own.
+            torch: spell the dtype the torch way (what vLLM reads as a
+                ``torch.Tensor``, e.g. ``prompt_embeds``) or numpy's.
+
+        Raises:
+            LocalProtocolError: no buffer interface, a tensor not on the CPU, or a
+                dtype we cannot send.
+        """
+        if type(array).__module__.startswith("torch") and hasattr(array, "dtype"):
+            import torch as _torch  # the caller has torch: it gave us a tensor
+
+            if array.device.type != "cpu":
+                raise LocalProtocolError(f"tensor is on {array.device}: move it to the CPU first")
+            name = str(array.dtype).removeprefix("torch.")
+            shape = tuple(array.shape)
+            data: Any = memoryview(array.detach().contiguous().reshape(-1).view(_torch.uint8).numpy())
+        else:
+            try:
+                mv = memoryview(array)
+            except TypeError:
+                raise LocalProtocolError(f"{type(array).__name__} has no buffer interface") from None
+            shape = tuple(mv.shape)
+            np_dtype = getattr(getattr(array, "dtype", None), "str", None)
+            name = (_DTYPES[np_dtype].name if np_dtype in _DTYPES and not _DTYPES[np_dtype].big_endian
+                    else _FORMATS.get((mv.format.lstrip("@=<"), mv.itemsize), ""))
+            data = array
+        info = dtype_info(dtype if dtype is not None else name)
+        if info is None or info.big_endian:
+            raise LocalProtocolError(f"cannot send a tensor of dtype {dtype or name or 'unknown'!r}")
+        if not torch:
+            short = _TORCH_TO_NUMPY.get(info.name)
+            if short is None:
+                raise LocalProtocolError(f"dtype {info.name} has no numpy spelling")
+            return cls(("|" if info.itemsize == 1 else "<") + short, shape, data)
+        return cls(info.name, shape, data)
 
     @classmethod
     def from_values(cls, dtype: str, shape: Sequence[int], values: Sequence[Any]) -> "Tensor":
@@ -339,6 +400,78 @@ def decode_tensor(raw: Any, frames: Sequence[Any], *, field: str = "tensor") -> 
     return Tensor(dtype, tuple(shape), buf)
 
 
+def as_c_bytes(data: Any) -> bytes | memoryview:
+    """The bytes of a tensor's data in C (row-major) order, ready for a ZMQ frame.
+
+    *data* may be anything with the buffer protocol (``bytes``, ``bytearray``,
+    ``memoryview``, a numpy array or a view of one, ``array.array``...), whatever
+    its layout:
+
+    - a C-contiguous buffer is kept (zero-copy): ``bytes`` as is, anything else as
+      a flat unsigned-byte ``memoryview`` over the caller's memory, which must
+      then stay unchanged until the message is sent;
+    - anything else (Fortran order, a transposed or strided view) is copied into
+      C order, the order of its logical elements (``memoryview.tobytes("C")``),
+      as vLLM's encoder does for a non-contiguous array.
+
+    Raises:
+        LocalProtocolError: *data* has no buffer interface, or the buffer is
+            released or otherwise unreadable.
+    """
+    if type(data) is bytes:
+        return data
+    try:
+        mv = data if type(data) is memoryview else memoryview(data)
+        if mv.c_contiguous:
+            if mv.nbytes == 0:
+                return b""
+            if mv.ndim == 1 and mv.format == "B":
+                return mv
+            return mv.cast("B")
+        return mv.tobytes(order="C")
+    except (TypeError, ValueError, BufferError) as exc:
+        raise LocalProtocolError(f"tensor data is not a readable buffer ({type(data).__name__}): {exc}") from None
+
+
+def check_tensor(value: Any, *, torch: bool | None = None) -> Tensor:
+    """Check that *value* is a :class:`Tensor` that :func:`encode_tensor` can send
+    (sans-IO, no copy): known little-endian dtype, non-negative int shape of rank
+    <= :data:`MAX_NDIM`, a readable buffer holding exactly
+    ``prod(shape) * itemsize`` bytes, and, when *torch* is given, the torch
+    (``True``) or numpy (``False``) dtype spelling.
+
+    Raises:
+        LocalProtocolError: the first problem (the message says what and the limit).
+    """
+    if not isinstance(value, Tensor):
+        raise LocalProtocolError(f"expected a Tensor, got {type(value).__name__}")
+    info = dtype_info(value.dtype)
+    if info is None or info.big_endian:
+        raise LocalProtocolError(f"dtype {value.dtype!r} cannot be sent (known little-endian dtypes: "
+                                 f"{', '.join(_TORCH)})")
+    if torch is True and not value.is_torch:
+        raise LocalProtocolError(f"dtype {value.dtype!r} is numpy's spelling; vLLM reads this field as a torch "
+                                 f"tensor: use {info.name!r}")
+    if torch is False and value.is_torch:
+        raise LocalProtocolError(f"dtype {value.dtype!r} is torch's spelling; vLLM reads this field as a numpy array")
+    if len(value.shape) > MAX_NDIM:
+        raise LocalProtocolError(f"shape has {len(value.shape)} dimensions, more than {MAX_NDIM}")
+    numel = 1
+    for d in value.shape:
+        if type(d) is not int or d < 0:
+            raise LocalProtocolError(f"shape must hold non-negative ints, got {d!r}")
+        numel *= d
+    try:
+        nbytes = memoryview(value.data).nbytes
+    except (TypeError, ValueError, BufferError) as exc:
+        raise LocalProtocolError(f"data is not a readable buffer ({type(value.data).__name__}): {exc}") from None
+    if nbytes != numel * info.itemsize:
+        raise LocalProtocolError(
+            f"data holds {nbytes} bytes; shape {list(value.shape)} of {value.dtype} needs {numel * info.itemsize}"
+        )
+    return value
+
+
 def encode_tensor(
     dtype: str,
     shape: Sequence[int],
@@ -354,7 +487,9 @@ def encode_tensor(
         dtype: either spelling (``"<i4"`` or ``"int32"``); the wire spelling is chosen by
             ``torch``.
         shape: dimension sizes.
-        data: ``prod(shape) * itemsize`` raw little-endian bytes.
+        data: ``prod(shape) * itemsize`` raw little-endian bytes, in any buffer
+            layout: sent in C order (:func:`as_c_bytes`; zero-copy when already
+            C-contiguous).
         aux: the message's aux buffer list, shared by every tensor of one message;
             appended to when the data goes out of band.
         torch: write the torch name (a torch tensor, e.g. prompt logprobs, prompt_embeds)
@@ -368,7 +503,8 @@ def encode_tensor(
 
     Raises:
         LocalProtocolError: unknown or big-endian dtype, bfloat16 as an ndarray (numpy
-            has none), a bad shape, or a byte count that does not match the shape.
+            has none), a bad shape, data that is not a readable buffer, or a byte
+            count that does not match the shape.
     """
     info = dtype_info(dtype)
     if info is None or info.big_endian:
@@ -386,6 +522,7 @@ def encode_tensor(
         if type(d) is not int or d < 0:
             raise LocalProtocolError(f"tensor shape must hold non-negative ints, got {d!r}")
         numel *= d
+    data = as_c_bytes(data)
     nbytes = _nbytes(data)
     if nbytes != numel * info.itemsize:
         raise LocalProtocolError(f"{nbytes} bytes do not match shape {dims} of {wire_dtype}")

@@ -37,7 +37,7 @@ import cattrs
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
-from zmqdispatch.wire.tensors import Tensor, decode_tensor, encode_tensor
+from zmqdispatch.wire.tensors import Tensor, check_tensor, decode_tensor, encode_tensor
 from ._fields import (
     ENGINE_CORE_DEAD,
     _unpack_output_message,
@@ -598,6 +598,55 @@ def _prep(v: Any, aux: list) -> Any:
     if isinstance(v, dict):
         return {k: _prep(x, aux) for k, x in v.items()}
     return _to_wire(v)
+
+
+#: EngineCoreRequest fields we carry without interpreting them (decoded msgpack
+#: values; a :class:`Tensor` anywhere inside goes through the tensor codec).
+OPAQUE_REQUEST_FIELDS = (
+    "mm_features", "pooling_params", "lora_request", "prompt_is_token_ids", "trace_headers",
+    "reasoning_parser_kwargs", "kv_hints",
+)
+
+
+def check_opaque_value(v: Any, path: str = "") -> None:
+    """Check, without encoding or copying, that an opaque field's value can be
+    sent: plain msgpack values (None, bool, int, float, str, bytes, lists, maps
+    with str / int keys), :class:`Tensor` s in any buffer layout
+    (:func:`~zmqdispatch.wire.tensors.check_tensor`), and raw contiguous buffers.
+
+    Raises:
+        LocalProtocolError: the first value that cannot be sent, with its path.
+    """
+    if v is None or type(v) in (bool, int, float, str, bytes):
+        if type(v) is int and not -(2**63) <= v < 2**64:
+            raise LocalProtocolError(f"{path or 'value'}: int {v} does not fit 64 bits")
+        return
+    if isinstance(v, Tensor):
+        try:
+            check_tensor(v)
+        except LocalProtocolError as exc:
+            raise LocalProtocolError(f"{path or 'value'}: {exc}") from None
+        return
+    if isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            check_opaque_value(x, f"{path}[{i}]")
+        return
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if type(k) not in (str, int):
+                raise LocalProtocolError(f"{path or 'value'}: map key {k!r} is not a str or int")
+            check_opaque_value(x, f"{path}.{k}" if path else str(k))
+        return
+    if isinstance(v, (bytearray, memoryview)):
+        try:
+            ok = memoryview(v).c_contiguous
+        except ValueError as exc:
+            raise LocalProtocolError(f"{path or 'value'}: {exc}") from None
+        if not ok:
+            raise LocalProtocolError(f"{path or 'value'}: a non-contiguous buffer travels only as a Tensor "
+                                     "(Tensor.from_array), which is sent in C order")
+        return
+    _pack(_to_wire(v))  # attrs wire types, enums: raises LocalProtocolError if it cannot be packed
 
 
 def encode_request(req: EngineCoreRequest) -> list[bytes]:
