@@ -119,6 +119,12 @@ RECV_BATCH_LIMIT = 256
 #: unbounded burst would starve everyone else instead).
 SEND_BURST_LIMIT = 256
 
+#: Seconds of input-pump work (encoding ADDs, handing messages to the socket)
+#: in one scheduler pass before it yields. An ADD costs tens of µs to encode: a
+#: thousand requests entering at once would otherwise hold the output pump, and
+#: every running stream, for tens of milliseconds (``benchmarks/README.md``).
+SEND_SLICE_SECONDS = 0.001
+
 #: Seconds we wait for a spawned engine to exit after SIGTERM before SIGKILL.
 #: vLLM's EngineCore takes 4-5 s to shut its worker down gracefully.
 DEFAULT_TERMINATE_GRACE = 8.0

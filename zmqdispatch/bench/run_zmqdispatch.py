@@ -43,6 +43,29 @@ def _request(rid: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool =
     )
 
 
+class _PassTimer(trio.abc.Instrument):
+    """The longest scheduler pass (the work between two I/O waits: nothing
+    else in the event loop runs meanwhile) while ``on``, in CPU seconds of
+    the loop's thread, so it does not count time the machine gave to other
+    processes."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.longest = 0.0
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        """Measure from now on (the current pass counts from here)."""
+        self.on, self.longest, self._t0 = True, 0.0, time.thread_time()
+
+    def after_io_wait(self, timeout: float) -> None:
+        self._t0 = time.thread_time() if self.on else None
+
+    def before_io_wait(self, timeout: float) -> None:
+        if self._t0 is not None:
+            self.longest = max(self.longest, time.thread_time() - self._t0)
+
+
 class Runner:
     def __init__(self, client: EngineClient, ctl: common.Control | None, acker: common.Acker | None,
                  *, group: bool = False) -> None:
@@ -172,11 +195,15 @@ class Runner:
         """Admission under load: C running streams (a task each, or one
         StreamGroup with ``--group``) at the cell's step interval; then
         ``cell["bursts"]`` times, ``cell["burst"]`` requests enter at once (a
-        task each, all started in one scheduler pass; with ``--group``, one
+        task each, started beforehand and released by one event, so all of
+        them enter their streams in one scheduler pass; with ``--group``, one
         ``group.generate`` loop), each with ``max_tokens=burst_max_tokens``.
         The requests are built beforehand: the burst is what the client does
         when they enter. Latency samples are the running streams' deliveries
-        from a burst's start to its last final output."""
+        from a burst's start to its last final output; ``longest_pass_cpu_ms``
+        is the CPU time of the longest scheduler pass meanwhile (the wait a
+        burst imposes on every stream on an idle machine, without the time
+        a shared machine's other processes took)."""
         self.cell_no += 1
         client, acker = self.client, self.acker
         adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
@@ -206,7 +233,8 @@ class Runner:
                         lat.append(now() - d.engine_timestamp)
                     acker.delivered(d.ticks)
 
-        async def enter(req: wire.EngineCoreRequest) -> None:
+        async def enter(req: wire.EngineCoreRequest, go: trio.Event) -> None:
+            await go.wait()
             async with client.generate(req) as stream:
                 async for d in stream:
                     acker.delivered(d.ticks)
@@ -247,34 +275,48 @@ class Runner:
                     await trio.sleep(0.02)
             await trio.sleep(cell["warmup_s"])
             await self._ctl("mark")
+            passes = _PassTimer()
+            trio.lowlevel.add_instrument(passes)
+            longest_pass: list[float] = []
             with tally.gc:
                 for b in range(cell["bursts"]):
-                    await trio.sleep(cell["burst_gap_s"])
                     requests = [
                         _request(f"b{self.cell_no}.{b}-{i}", common.prompt_tokens(cell["prompt_len"], i),
                                  cell["burst_max_tokens"])
                         for i in range(n)
                     ]
+                    go = trio.Event()
+                    if not self.group:
+                        # The tasks exist before the burst (a gateway's request
+                        # handlers): the burst is their entering, not trio spawning them.
+                        for req in requests:
+                            nursery.start_soon(enter, req, go)
+                    await trio.sleep(cell["burst_gap_s"])
                     state["left"], state["done"] = n, trio.Event()
                     first = len(lat)
                     tally.measuring = True
+                    passes.start()
                     t0 = now()
                     if self.group:
                         for req in requests:
                             group.generate(req)
                     else:
-                        for req in requests:
-                            nursery.start_soon(enter, req)
+                        go.set()  # every task enters its stream in the next scheduler pass
                     del requests
                     with trio.fail_after(120):
                         await state["done"].wait()
                     admit.append(now() - t0)
-                    tally.measuring = False
+                    tally.measuring = passes.on = False
                     max_waits.append(max(lat[first:], default=0.0))
+                    longest_pass.append(passes.longest)
+            trio.lowlevel.remove_instrument(passes)
             stats = await self._ctl("stats")
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.ctl.wait_idle)
-        return common.burst_result(self.name, cell, lat, max_waits, admit, tally.gc, engine=stats)
+        result = common.burst_result(self.name, cell, lat, max_waits, admit, tally.gc, engine=stats)
+        result["longest_pass_cpu_ms"] = 1000.0 * max(longest_pass, default=0.0)
+        result["longest_pass_cpu_ms_per_burst"] = [1000.0 * x for x in longest_pass]
+        return result
 
     async def idle_rss(self, cell: dict[str, Any]) -> dict[str, Any]:
         """RSS growth per open stream on a holding engine: C streams, each read by
