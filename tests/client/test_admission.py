@@ -127,3 +127,25 @@ async def test_in_a_stream_group_it_ends_that_request_alone(monkeypatch):
                         items[rid] = item
                 assert isinstance(items["bad"], RequestRejected) and items["bad"].request_id == "bad"
                 assert items["a"].token_ids == [1] and items["b"].token_ids == [2]
+
+
+async def test_in_a_fan_out_it_fails_the_parent_and_aborts_the_siblings(monkeypatch):
+    from zmqdispatch.fanout import generate_parallel
+
+    _unencodable(monkeypatch, "p-1")
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            with pytest.raises(RequestRejected) as ei:
+                async with generate_parallel(client, [make_request(f"p-{i}") for i in range(3)]) as merged:
+                    async for _ in merged:
+                        pass  # pragma: no cover
+            assert ei.value.request_id == "p-1"
+            # The siblings' ADDs that went out are aborted; p-1 never reaches the wire.
+            sent: list[str] = []
+            while True:
+                msg = await engine.receive()
+                if msg.kind == wire.RequestType.ABORT:
+                    break
+                sent.append(msg.value.request_id)
+            assert "p-0" in sent and "p-1" not in sent and sorted(msg.value) == sorted(sent)
+            assert client.protocol.inflight == 0
