@@ -446,3 +446,18 @@ def test_encoding_at_pop_send_keeps_aborts_first_and_submission_order():
     p.submit(make_request("d"))
     p.abort(["b", "c"])  # c is still queued: dropped, never encoded
     assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("a", "b")), (wire.RequestType.ADD, "d")]
+
+
+def test_an_undecodable_message_leaves_requests_whose_add_is_still_queued_alone():
+    # The input pump sends queued ADDs in slices: a request not sent yet cannot
+    # have had outputs in the bad message. Failing it would also have left its
+    # ADD in the outbox, to run on the engine for nobody.
+    p = EngineProtocol()
+    sent_mb, _ = p.submit(make_request("sent"))
+    sent(p)
+    queued_mb, queued_add = p.submit(make_request("queued"))
+    p.frames_received([b"\xc1"])
+    with pytest.raises(RemoteProtocolError, match="undecodable"):
+        sent_mb.take()
+    assert queued_mb.take() is None and p.is_live("queued") and queued_add.state is SendState.QUEUED
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("sent",)), (wire.RequestType.ADD, "queued")]

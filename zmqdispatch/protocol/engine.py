@@ -781,14 +781,18 @@ class EngineProtocol:
 
     def _fail_requests(self, request_ids: list[str], exc: RemoteProtocolError) -> None:
         """Fail these live requests with *exc* (after tokens they already have)
-        and abort them on the engine: their outputs can no longer be trusted."""
+        and abort them on the engine: their outputs can no longer be trusted.
+        Requests whose ADD is still queued are left alone: the engine has not
+        seen them, so no output was about them (and their ADD is still to go)."""
         woke = False
+        requests = self._requests
         for rid in request_ids:
-            entry = self._requests.pop(rid, None)
-            if entry is None:
+            entry = requests.get(rid)
+            if entry is None or entry.add.state is SendState.QUEUED:
                 continue
+            del requests[rid]
             entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: undecodable engine output: {exc}"))
-            if self.state is LinkState.READY and entry.add.state is not SendState.QUEUED:
+            if self.state is LinkState.READY:
                 self._queue_abort(rid)
                 woke = True
         if woke:
