@@ -678,8 +678,10 @@ class EngineClient:
         sock = self._input
         p = self._protocol
         timeout = self.config.send_timeout
+        others = 0.0  # how long the rest of the loop ran while this pump last yielded mid-burst
         while p.state is LinkState.READY:
-            slice_end = perf_counter() + limits.SEND_SLICE_SECONDS
+            slice_end = perf_counter() + send_slice(others)
+            others = 0.0
             out = p.pop_send()
             if out is None:
                 await _park_sender(p)
@@ -688,9 +690,9 @@ class EngineClient:
                 # Drain what the socket takes at once (one scheduler pass per
                 # burst, not per message: under heavy output an ADD per pass
                 # starved admission), then the awaited send for the rest. A
-                # burst also ends after SEND_SLICE_SECONDS: pop_send encodes
-                # ADDs (tens of µs each), and a thousand of them in one pass
-                # would hold the output pump (every running stream) back.
+                # burst also ends after its slice (send_slice): pop_send
+                # encodes ADDs (tens of µs each), and a thousand of them in
+                # one pass would hold the output pump (every running stream) back.
                 burst = limits.SEND_BURST_LIMIT
                 while sock.try_send(out.frames):
                     p.send_done(out)
@@ -702,7 +704,9 @@ class EngineClient:
                     if out is None:
                         break
                 if out is None:
+                    yielded = perf_counter()
                     await trio.lowlevel.checkpoint()
+                    others = perf_counter() - yielded
                     continue
                 # The socket is full: the awaited send yields and waits for
                 # room (bounded by send_timeout).
@@ -850,6 +854,19 @@ class EngineClient:
                 p.send_done(out)
         except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
             pass
+
+
+def send_slice(others: float) -> float:
+    """Seconds the input pump may work in its next scheduler pass.
+
+    ``limits.SEND_SLICE_SECONDS``, or ``limits.SEND_SLICE_SHARE`` of *others*
+    (how long the rest of the event loop ran while the pump last yielded in
+    the middle of a burst) when that is more: when passes are long anyway (the
+    output pump routing a saturated engine's batches), admission keeps pace
+    with them instead of sending a millisecond's worth per long pass, and
+    still holds every other task back by at most that share.
+    """
+    return max(limits.SEND_SLICE_SECONDS, limits.SEND_SLICE_SHARE * others)
 
 
 async def _park_sender(p: EngineProtocol) -> None:

@@ -125,6 +125,12 @@ SEND_BURST_LIMIT = 256
 #: every running stream, for tens of milliseconds (``benchmarks/README.md``).
 SEND_SLICE_SECONDS = 0.001
 
+#: ... or this share of the time the rest of the event loop took while the
+#: input pump yielded, when that is longer (``client.send_slice``): under a
+#: saturated engine's output a pass lasts tens of milliseconds, and a 1 ms
+#: slice per pass would let admission fall far behind.
+SEND_SLICE_SHARE = 0.25
+
 #: Seconds we wait for a spawned engine to exit after SIGTERM before SIGKILL.
 #: vLLM's EngineCore takes 4-5 s to shut its worker down gracefully.
 DEFAULT_TERMINATE_GRACE = 8.0

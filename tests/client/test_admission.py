@@ -38,6 +38,7 @@ async def test_the_input_pump_yields_between_slices_of_adds(monkeypatch):
     # other tasks (the output pump) run in between. Without slices, all of
     # them went out in one pass, after all of them were encoded.
     monkeypatch.setattr(limits, "SEND_SLICE_SECONDS", 0.0)
+    monkeypatch.setattr(limits, "SEND_SLICE_SHARE", 0.0)
     passes = _Passes()
     sent_in_pass: list[int] = []
     real_send_done = EngineProtocol.send_done
@@ -149,3 +150,14 @@ async def test_in_a_fan_out_it_fails_the_parent_and_aborts_the_siblings(monkeypa
                 sent.append(msg.value.request_id)
             assert "p-0" in sent and "p-1" not in sent and sorted(msg.value) == sorted(sent)
             assert client.protocol.inflight == 0
+
+
+def test_the_send_slice_follows_the_length_of_the_loops_passes(monkeypatch):
+    from zmqdispatch.client import send_slice
+
+    monkeypatch.setattr(limits, "SEND_SLICE_SECONDS", 0.001)
+    monkeypatch.setattr(limits, "SEND_SLICE_SHARE", 0.25)
+    assert send_slice(0.0) == 0.001  # after a park, or when the others were quick
+    assert send_slice(0.002) == 0.001
+    # the others ran 100 ms (routing a saturated engine's batch): a quarter of it
+    assert send_slice(0.1) == pytest.approx(0.025)
