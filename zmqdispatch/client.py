@@ -36,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from time import perf_counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -209,6 +210,8 @@ class RequestStream:
 
     Raises (from ``__aenter__`` or iteration):
         DuplicateRequestIdError: (entering) the ``request_id`` is live.
+        RequestRejected: (entering) the request passed validation but could
+            not be encoded for the wire (nothing was sent).
         EngineDeadError: the engine died (every open stream gets one).
         EngineRequestError: the engine finished the request with an error.
         SlowConsumerError: the consumer fell behind ``max_pending_tokens``.
@@ -261,6 +264,9 @@ class RequestStream:
                 self._closed = True
                 self._client._protocol.check_alive()
                 raise EngineDeadError("engine died before the request was sent", reason="closed")
+            if add.state is SendState.REJECTED:
+                self._closed = True
+                raise add.error  # RequestRejected: the request could not be encoded, nothing was sent
             if add.state is SendState.CANCELLED:
                 self._closed = True
                 raise RequestStreamClosed(
@@ -806,7 +812,10 @@ class EngineClient:
         sock = self._input
         p = self._protocol
         timeout = self.config.send_timeout
+        others = 0.0  # how long the rest of the loop ran while this pump last yielded mid-burst
         while p.state is LinkState.READY:
+            slice_end = perf_counter() + send_slice(others)
+            others = 0.0
             out = p.pop_send()
             if out is None:
                 await _park_sender(p)
@@ -814,19 +823,27 @@ class EngineClient:
             try:
                 # Drain what the socket takes at once (one scheduler pass per
                 # burst, not per message: under heavy output an ADD per pass
-                # starved admission), then the awaited send for the rest.
+                # starved admission), then the awaited send for the rest. A
+                # burst also ends after its slice (send_slice): pop_send
+                # encodes ADDs (tens of µs each), and a thousand of them in
+                # one pass would hold the output pump (every running stream) back.
                 burst = limits.SEND_BURST_LIMIT
                 while sock.try_send(out.frames):
                     p.send_done(out)
                     burst -= 1
+                    if not burst or perf_counter() >= slice_end:
+                        out = None  # the burst is over: yield, the next pass pops on
+                        break
                     out = p.pop_send()
-                    if out is None or not burst:
+                    if out is None:
                         break
                 if out is None:
+                    yielded = perf_counter()
                     await trio.lowlevel.checkpoint()
+                    others = perf_counter() - yielded
                     continue
-                # The socket is full, or the burst is over: the awaited send
-                # yields (and waits for room, bounded by send_timeout).
+                # The socket is full: the awaited send yields and waits for
+                # room (bounded by send_timeout).
                 await sock.send(out.frames, timeout=timeout)
             except PeerUnreachable:
                 self._death_sign(
@@ -971,6 +988,19 @@ class EngineClient:
                 p.send_done(out)
         except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
             pass
+
+
+def send_slice(others: float) -> float:
+    """Seconds the input pump may work in its next scheduler pass.
+
+    ``limits.SEND_SLICE_SECONDS``, or ``limits.SEND_SLICE_SHARE`` of *others*
+    (how long the rest of the event loop ran while the pump last yielded in
+    the middle of a burst) when that is more: when passes are long anyway (the
+    output pump routing a saturated engine's batches), admission keeps pace
+    with them instead of sending a millisecond's worth per long pass, and
+    still holds every other task back by at most that share.
+    """
+    return max(limits.SEND_SLICE_SECONDS, limits.SEND_SLICE_SHARE * others)
 
 
 async def _park_sender(p: EngineProtocol) -> None:

@@ -120,6 +120,18 @@ RECV_BATCH_LIMIT = 256
 #: unbounded burst would starve everyone else instead).
 SEND_BURST_LIMIT = 256
 
+#: Seconds of input-pump work (encoding ADDs, handing messages to the socket)
+#: in one scheduler pass before it yields. An ADD costs tens of µs to encode: a
+#: thousand requests entering at once would otherwise hold the output pump, and
+#: every running stream, for tens of milliseconds (``benchmarks/README.md``).
+SEND_SLICE_SECONDS = 0.001
+
+#: ... or this share of the time the rest of the event loop took while the
+#: input pump yielded, when that is longer (``client.send_slice``): under a
+#: saturated engine's output a pass lasts tens of milliseconds, and a 1 ms
+#: slice per pass would let admission fall far behind.
+SEND_SLICE_SHARE = 0.25
+
 #: Seconds we wait for a spawned engine to exit after SIGTERM before SIGKILL.
 #: vLLM's EngineCore takes 4-5 s to shut its worker down gracefully.
 DEFAULT_TERMINATE_GRACE = 8.0

@@ -33,6 +33,11 @@ def _settings(tmp_path, *extra: str) -> harness.BenchSettings:
         "name": "slowmix-c6-2ms", "concurrency": 6, "step_interval_ms": 2.0, "slow_fraction": 0.5,
         "slow_delay_ms": 5.0, "seconds": 0.3, "warmup_s": 0.05, "window": harness.window_for(6),
     }))
+    # One small burst cell: requests entering at once while streams run.
+    settings.cells.append(common.cell_settings({
+        "name": "burst-c4-2ms", "kind": "burst", "concurrency": 4, "step_interval_ms": 2.0, "burst": 30,
+        "bursts": 2, "burst_gap_s": 0.05, "warmup_s": 0.05, "window": harness.window_for(4),
+    }))
     return settings
 
 
@@ -56,7 +61,7 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
     assert {r["gc"] for r in doc["runners"].values()} == {"freeze"}
     assert doc["real_engine"] is None
     names = [c["name"] for c in doc["cells"]]
-    assert names == ["idle-rss", "sat-c1", "sat-c4", "slowmix-c6-2ms"]
+    assert names == ["idle-rss", "sat-c1", "sat-c4", "slowmix-c6-2ms", "burst-c4-2ms"]
 
     for cell in doc["cells"]:
         assert set(cell["results"]) == {"raw", "zmqdispatch", "zmqdispatch-group"}
@@ -64,10 +69,19 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
             assert len(r["rounds"]) == 1 and r["rounds"][0]["round"] == 1
             m = r["median"]
             assert "error" not in m, m
-            if (client == "raw" and (cell["kind"] == "idle_rss" or cell["slow_fraction"])) or (
+            if (client == "raw" and (cell["kind"] in ("idle_rss", "burst") or cell["slow_fraction"])) or (
                 client == "zmqdispatch-group" and cell["slow_fraction"]
             ):
                 assert "skipped" in m
+                continue
+            if cell["kind"] == "burst":
+                assert m["bursts"] == 2 and m["burst"] == 30
+                assert len(m["max_wait_ms_per_burst"]) == 2 and len(m["admit_ms_per_burst"]) == 2
+                for key in ("max_wait_ms", "admit_ms", "longest_pass_cpu_ms"):
+                    assert _is_number(m[key]) and m[key] > 0, (client, key, m[key])
+                lat = m["latency_ms"]
+                assert lat["samples"] > 0 and lat["p50"] <= lat["p99"] <= m["max_wait_ms"]
+                assert m["engine"]["adds"] >= 4 + 2 * 30
                 continue
             if cell["kind"] == "idle_rss":
                 assert m["streams"] == 40 and _is_number(m["rss_per_stream_bytes"])
@@ -93,6 +107,7 @@ def test_bench_runs_end_to_end_and_writes_well_formed_json(tmp_path) -> None:
     md = (tmp_path / "out" / "bench.md").read_text()
     assert "| sat-c4 | zmqdispatch |" in md and "| zmqdispatch | 40 |" in md
     assert "| sat-c4 | zmqdispatch-group |" in md
+    assert "| burst-c4-2ms | zmqdispatch | 4 | 30 |" in md and "| burst-c4-2ms | zmqdispatch-group | 4 | 30 |" in md
     assert md.strip() in "\n".join(lines)
     assert (tmp_path / "out" / "logs" / "round1-zmqdispatch.log").exists()
 
@@ -165,6 +180,9 @@ def test_vllm_client_attaches_to_the_bench_engine(tmp_path) -> None:
     assert doc["runners"]["vllm"]["vllm"].startswith("0.32")
     for cell in doc["cells"]:
         m = cell["results"]["vllm"]["median"]
+        if cell["kind"] == "burst":
+            assert "skipped" in m  # measured for zmqdispatch's clients only
+            continue
         assert "error" not in m and "skipped" not in m, m
         if cell["kind"] == "idle_rss":
             assert _is_number(m["rss_per_stream_bytes"])

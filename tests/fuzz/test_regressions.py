@@ -16,7 +16,7 @@ import pytest
 
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError, RequestRejected
 from zmqdispatch.protocol.checks import check_request
-from zmqdispatch.protocol.engine import EngineProtocol
+from zmqdispatch.protocol.engine import EngineProtocol, SendState
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel, translate_request
 from zmqdispatch.wire import tensors
 from zmqdispatch.wire import vllm as wire
@@ -141,10 +141,21 @@ def test_nested_json_schema_accepted_by_the_checks_encodes_or_is_rejected() -> N
         wire.encode_request(t.request)
     except LocalProtocolError:
         pass
-    try:
-        EngineProtocol().submit(t.request)
-    except RequestRejected:
-        pass
+    # EngineProtocol encodes the ADD when the input pump takes it: a request
+    # the encoder refuses is failed alone with RequestRejected, never sent.
+    p = EngineProtocol()
+    mailbox, add = p.submit(t.request)
+    out = p.pop_send()
+    if out is None:
+        assert add.state is SendState.REJECTED and isinstance(add.error, RequestRejected)
+        try:
+            mailbox.take()
+        except RequestRejected:
+            pass
+        else:
+            raise AssertionError("the stream of a rejected ADD must fail with RequestRejected")
+    else:
+        assert out is add
 
 
 # --------------------------------------------------------------------------- tokenspeed-nan-created-time

@@ -356,3 +356,108 @@ def test_the_renamed_id_map_stays_bounded_by_the_live_requests():
         p.frames_received(outputs_frames([out(wire_id, [1], finish=wire.FinishReason.LENGTH)]))
         assert p.inflight == 0  # (no lookup by the caller's id, which would drop the entry itself)
     assert p.renamed_requests == 500 and len(p._renamed) <= 64
+
+
+# --------------------------------------------------------------------------- ADD encoding at pop_send
+
+
+def _count_encodes(monkeypatch) -> list[str]:
+    from zmqdispatch.protocol import runtime
+
+    calls: list[str] = []
+    real = runtime.wire.encode_request
+
+    def counting(req):
+        calls.append(req.request_id)
+        return real(req)
+
+    monkeypatch.setattr(runtime.wire, "encode_request", counting)
+    return calls
+
+
+def test_submit_registers_without_encoding_and_pop_send_encodes(monkeypatch):
+    # A thousand requests entering at once must not encode a thousand ADDs in
+    # one go in the callers' tasks: the input pump encodes them, in slices.
+    calls = _count_encodes(monkeypatch)
+    p = EngineProtocol(identity=b"\x01\x00")
+    mb1, add1 = p.submit(make_request("r1"))
+    mb2, add2 = p.submit(make_request("r2"))
+    assert calls == [] and p.inflight == 2 and p.is_live("r1")
+    assert add1.frames == [b"\x01\x00", b"\x00"] and add1.request is not None
+    first = p.pop_send()
+    assert first is add1 and calls == ["r1"] and add1.state is SendState.SENDING and add1.request is None
+    assert wire.decode_request(add1.frames[2:]).request_id == "r1"
+    p.send_done(add1)
+    assert kinds(sent(p)) == [(wire.RequestType.ADD, "r2")] and calls == ["r1", "r2"]
+
+
+def test_an_add_aborted_before_the_pump_took_it_is_never_encoded(monkeypatch):
+    calls = _count_encodes(monkeypatch)
+    p = EngineProtocol()
+    mb, add = p.submit(make_request("r1"))
+    p.abort(["r1"])
+    assert add.state is SendState.CANCELLED and add.request is None
+    assert sent(p) == [] and calls == []
+
+
+def test_a_request_that_cannot_be_encoded_fails_alone_and_sends_nothing():
+    from zmqdispatch.errors import RequestRejected
+
+    p = EngineProtocol()
+    # The protocol does not validate (generate() does): an id beyond 64 bits
+    # reaches the encoder, which refuses it.
+    bad_mb, bad_add = p.submit(make_request("bad", prompt=(1, 2**70)))
+    ok_mb, ok_add = p.submit(make_request("ok"))
+    assert kinds(sent(p)) == [(wire.RequestType.ADD, "ok")]
+    assert bad_add.state is SendState.REJECTED and isinstance(bad_add.error, RequestRejected)
+    assert bad_add.error.request_id == "bad" and "encoded" in str(bad_add.error)
+    with pytest.raises(RequestRejected) as ei:
+        bad_mb.take()
+    assert ei.value is bad_add.error
+    # retired without an ABORT (the engine never heard of it); its id is free
+    assert not p.is_live("bad") and p.inflight == 1 and p.pending_abort_ids == []
+    assert "bad" not in p.possibly_live_ids()
+    p.submit(make_request("bad"))
+    assert kinds(sent(p)) == [(wire.RequestType.ADD, "bad")]
+
+
+def test_a_renamed_request_that_cannot_be_encoded_reports_the_callers_id():
+    from zmqdispatch.errors import RequestRejected
+
+    p = EngineProtocol()
+    p.submit(make_request("r1"))
+    sent(p)
+    p.abort(["r1"])  # its late outputs may come: a reuse travels as r1~1
+    mb, add = p.submit(make_request("r1", prompt=(2**70,)))
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("r1",))]
+    assert add.state is SendState.REJECTED and add.error.request_id == "r1"
+    with pytest.raises(RequestRejected):
+        mb.take()
+    assert not p.is_live("r1") and p.inflight == 0
+
+
+def test_encoding_at_pop_send_keeps_aborts_first_and_submission_order():
+    p = EngineProtocol()
+    for rid in ("a", "b"):
+        p.submit(make_request(rid))
+    sent(p)
+    p.submit(make_request("c"))
+    p.abort(["a"])
+    p.submit(make_request("d"))
+    p.abort(["b", "c"])  # c is still queued: dropped, never encoded
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("a", "b")), (wire.RequestType.ADD, "d")]
+
+
+def test_an_undecodable_message_leaves_requests_whose_add_is_still_queued_alone():
+    # The input pump sends queued ADDs in slices: a request not sent yet cannot
+    # have had outputs in the bad message. Failing it would also have left its
+    # ADD in the outbox, to run on the engine for nobody.
+    p = EngineProtocol()
+    sent_mb, _ = p.submit(make_request("sent"))
+    sent(p)
+    queued_mb, queued_add = p.submit(make_request("queued"))
+    p.frames_received([b"\xc1"])
+    with pytest.raises(RemoteProtocolError, match="undecodable"):
+        sent_mb.take()
+    assert queued_mb.take() is None and p.is_live("queued") and queued_add.state is SendState.QUEUED
+    assert kinds(sent(p)) == [(wire.RequestType.ABORT, ("sent",)), (wire.RequestType.ADD, "queued")]

@@ -46,6 +46,12 @@ CELL_DEFAULTS: dict[str, Any] = {
     "slow_fraction": 0.0,  # share of consumers that sleep after each delivery
     "slow_delay_ms": 0.0,
     "max_tokens": 10**6,  # per request; longer than any cell
+    # kind "burst": while the C streams run, `burst` requests enter at once,
+    # `bursts` times, each request with max_tokens=burst_max_tokens
+    "burst": 0,
+    "bursts": 0,
+    "burst_max_tokens": 1,
+    "burst_gap_s": 0.3,  # between two bursts (the running streams settle)
 }
 
 
@@ -379,6 +385,37 @@ def throughput_result(
     if cell["slow_fraction"] > 0:
         result["latency_slow_ms"] = percentiles(tally.latency_slow)
     return result
+
+
+def burst_result(
+    client: str,
+    cell: dict[str, Any],
+    latency: Sequence[float],
+    max_waits: Sequence[float],
+    admit_s: Sequence[float],
+    gc_timer: GcTimer,
+    *,
+    engine: dict[str, Any],
+) -> dict[str, Any]:
+    """The figures of one burst cell: *latency* (seconds) are the running
+    streams' deliveries while a burst was admitted and served, *max_waits* the
+    longest of them per burst, *admit_s* how long each burst took from its
+    first request entering to its last request's final output."""
+    return {
+        "client": client,
+        "cell": cell["name"],
+        "bursts": len(max_waits),
+        "burst": cell["burst"],
+        "max_wait_ms": 1000.0 * max(max_waits) if max_waits else None,
+        "max_wait_ms_per_burst": [1000.0 * w for w in max_waits],
+        "latency_ms": percentiles(latency),
+        "admit_ms": 1000.0 * sorted(admit_s)[len(admit_s) // 2] if admit_s else None,
+        "admit_ms_per_burst": [1000.0 * a for a in admit_s],
+        "gc_collections": gc_timer.collections,
+        "gc_max_pause_ms": gc_timer.max_pause * 1000.0,
+        "engine": {"late_steps": engine.get("late_steps"), "steps_per_s": engine.get("steps_per_s"),
+                   "adds": engine.get("adds")},
+    }
 
 
 def rss_result(client: str, cell: dict[str, Any], before: int, after: int, streams: int) -> dict[str, Any]:

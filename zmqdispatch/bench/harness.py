@@ -21,6 +21,11 @@ Admitting streams under load is not what these cells measure.
 ``paced-c1000-10ms`` C = 1,000, one step per 10 ms (a real GPU engine's step)
 ``slowmix-c100-5ms`` paced C = 100 where one consumer in ten sleeps 20 ms after
                     each delivery (its ticks merge); latency of the others
+``burst-c100-1ms``  C = 100 running streams at one step per 1 ms while 1,000
+                    requests enter at once (``max_tokens=1``), 3 bursts:
+                    the running streams' longest wait for a tick and p99 during
+                    the bursts, and each burst's time to its last final output
+                    (zmqdispatch clients only)
 ==================  =========================================================
 
 Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
@@ -69,6 +74,8 @@ __all__ = ["add_arguments", "run", "default_cells", "BenchSettings"]
 
 SCHEMA = "zmqdispatch-bench/1"
 CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "vllm")
+#: clients that run the burst cells (the raw loop admits nothing; vLLM's client is not wired up for it)
+BURST_CLIENTS = ("zmqdispatch", "zmqdispatch-group")
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parents[1]
 REAL_VLLM_SCRIPTS = REPO_DIR / "scripts" / "real_vllm"
@@ -103,6 +110,8 @@ def default_cells(
             {"name": "paced-c1000-10ms", "concurrency": 1000, "step_interval_ms": 10.0, **base},
             {"name": "slowmix-c100-5ms", "concurrency": 100, "step_interval_ms": 5.0, "slow_fraction": 0.1,
              "slow_delay_ms": 20.0, **base},
+            {"name": "burst-c100-1ms", "kind": "burst", "concurrency": 100, "step_interval_ms": 1.0,
+             "burst": 1000, "bursts": 3, "burst_max_tokens": 1, **base},
         ]
     for cell in cells:
         cell.setdefault("window", window_for(cell["concurrency"]))
@@ -389,10 +398,14 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
                 for cell in settings.cells:
                     for client in clients:
                         progress.describe(f"round {rnd + 1}/{settings.rounds} {cell['name']} {client}")
-                        try:
-                            res = runners[client].command({"op": "cell", "cell": cell}, _cell_timeout(cell))
-                        except RunnerError as exc:
-                            res = {"client": client, "cell": cell["name"], "error": str(exc)}
+                        if cell["kind"] == "burst" and client not in BURST_CLIENTS:
+                            res = {"client": client, "cell": cell["name"],
+                                   "skipped": "admission under load is measured for zmqdispatch's clients only"}
+                        else:
+                            try:
+                                res = runners[client].command({"op": "cell", "cell": cell}, _cell_timeout(cell))
+                            except RunnerError as exc:
+                                res = {"client": client, "cell": cell["name"], "error": str(exc)}
                         res["round"] = rnd + 1
                         results[cell["name"]][client].append(res)
                         progress.advance(_one_line(cell, res))
@@ -475,6 +488,9 @@ def _one_line(cell: dict[str, Any], res: dict[str, Any]) -> str:
         return f"{cell['name']} {client}: skipped ({res['skipped']})"
     if cell["kind"] == "idle_rss":
         return f"{cell['name']} {client}: {res['rss_per_stream_bytes']:,.0f} B/stream"
+    if cell["kind"] == "burst":
+        return (f"{cell['name']} {client}: longest wait {_fmt(res['max_wait_ms'], '.1f')} ms, "
+                f"p99 {_fmt(res['latency_ms']['p99'], '.2f')} ms, burst served in {_fmt(res['admit_ms'], '.0f')} ms")
     lat = res["latency_ms"]
     return (f"{cell['name']} {client}: {_fmt(res['request_ticks_per_s'], ',.0f')} req-ticks/s, "
             f"{_fmt(res['cpu_us_per_tick'], '.2f')} us/tick, p99 {_fmt(lat['p99'], '.2f')} ms")
@@ -494,8 +510,26 @@ def format_tables(doc: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rss_lines = ["| client | idle streams | RSS per idle stream |", "|---|---:|---:|"]
+    burst_lines = [
+        "| cell | client | running streams | burst | longest wait ms | p99 ms | p50 ms | longest pass CPU ms "
+        "| burst served in ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for cell in doc["cells"]:
         results = cell["results"]
+        if cell["kind"] == "burst":
+            for client, r in results.items():
+                m = r["median"]
+                if "max_wait_ms" not in m:
+                    burst_lines.append(f"| {cell['name']} | {client} | {m.get('skipped') or m.get('error')} |||||||")
+                    continue
+                lat = m["latency_ms"]
+                burst_lines.append(
+                    f"| {cell['name']} | {client} | {cell['concurrency']:,} | {cell['burst']:,} "
+                    f"| {_fmt(m['max_wait_ms'], '.1f')} | {_fmt(lat['p99'], '.2f')} | {_fmt(lat['p50'], '.2f')} "
+                    f"| {_fmt(m.get('longest_pass_cpu_ms'), '.1f')} | {_fmt(m['admit_ms'], '.0f')} |"
+                )
+            continue
         if cell["kind"] == "idle_rss":
             for client, r in results.items():
                 m = r["median"]
@@ -525,6 +559,12 @@ def format_tables(doc: dict[str, Any]) -> str:
                  "(slow mix: the consumers that keep up). CPU: the client process, all threads. "
                  "× vLLM: request-ticks/s over vLLM's.")
     out = "\n".join(lines)
+    if len(burst_lines) > 2:
+        out += ("\n\nAdmission under load: while the running streams get one tick per step, `burst` requests "
+                "enter at once; the running streams' wait for a tick (engine send to consumer receipt) while "
+                "the bursts are admitted and served (medians over rounds of each round's longest wait and "
+                "percentiles); longest pass: the CPU time of the longest event-loop pass meanwhile (what a "
+                "burst holds every stream back on an idle machine).\n\n" + "\n".join(burst_lines))
     if len(rss_lines) > 2:
         out += "\n\n" + "\n".join(rss_lines)
     real = doc.get("real_engine")

@@ -50,6 +50,29 @@ def _request(rid: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool =
     )
 
 
+class _PassTimer(trio.abc.Instrument):
+    """The longest scheduler pass (the work between two I/O waits: nothing
+    else in the event loop runs meanwhile) while ``on``, in CPU seconds of
+    the loop's thread, so it does not count time the machine gave to other
+    processes."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.longest = 0.0
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        """Measure from now on (the current pass counts from here)."""
+        self.on, self.longest, self._t0 = True, 0.0, time.thread_time()
+
+    def after_io_wait(self, timeout: float) -> None:
+        self._t0 = time.thread_time() if self.on else None
+
+    def before_io_wait(self, timeout: float) -> None:
+        if self._t0 is not None:
+            self.longest = max(self.longest, time.thread_time() - self._t0)
+
+
 class Runner:
     def __init__(self, client: EngineClient, ctl: common.Control | None, acker: common.Acker | None,
                  *, group: bool = False) -> None:
@@ -136,6 +159,8 @@ class Runner:
     async def cell(self, cell: dict[str, Any]) -> dict[str, Any]:
         if cell["kind"] == "idle_rss":
             return await self.idle_rss(cell)
+        if cell["kind"] == "burst":
+            return await self.burst(cell)
         return await (self.throughput_group(cell) if self.group else self.throughput(cell))
 
     async def throughput(self, cell: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +198,133 @@ class Runner:
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.ctl.wait_idle)
         return common.throughput_result("zmqdispatch", cell, tally, wall=wall, cpu=cpu, engine=stats)
+
+    async def burst(self, cell: dict[str, Any]) -> dict[str, Any]:
+        """Admission under load: C running streams (a task each, or one
+        StreamGroup with ``--group``) at the cell's step interval; then
+        ``cell["bursts"]`` times, ``cell["burst"]`` requests enter at once (a
+        task each, started beforehand and released by one event, so all of
+        them enter their streams in one scheduler pass; with ``--group``, one
+        ``group.generate`` loop), each with ``max_tokens=burst_max_tokens``.
+        The requests are built beforehand: the burst is what the client does
+        when they enter. Latency samples are the running streams' deliveries
+        from a burst's start to its last final output; ``longest_pass_cpu_ms``
+        is the CPU time of the longest scheduler pass meanwhile (the wait a
+        burst imposes on every stream on an idle machine, without the time
+        a shared machine's other processes took)."""
+        self.cell_no += 1
+        client, acker = self.client, self.acker
+        adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
+        acker.start(epoch, cell["window"])
+        tally = common.Tally()
+        c, n = cell["concurrency"], cell["burst"]
+        now = time.monotonic
+        lat = tally.latency
+        max_waits: list[float] = []
+        admit: list[float] = []
+        state = {"left": 0, "done": trio.Event()}
+
+        def burst_done() -> None:
+            state["left"] -= 1
+            if not state["left"]:
+                state["done"].set()
+
+        async def consume(i: int) -> None:
+            req = _request(f"z{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i), cell["max_tokens"])
+            first = True
+            async with client.generate(req) as stream:
+                async for d in stream:
+                    if first:
+                        first = False
+                        tally.first_seen += 1
+                    if tally.measuring:
+                        lat.append(now() - d.engine_timestamp)
+                    acker.delivered(d.ticks)
+
+        async def enter(req: wire.EngineCoreRequest, go: trio.Event) -> None:
+            await go.wait()
+            async with client.generate(req) as stream:
+                async for d in stream:
+                    acker.delivered(d.ticks)
+            burst_done()
+
+        async with open_stream_group(client) as group, trio.open_nursery() as nursery:
+            if self.group:
+                prefix = f"g{self.cell_no}-"
+
+                async def read() -> None:
+                    async for batch in group:
+                        t = now()
+                        ticks = 0
+                        for rid, item in batch:
+                            if isinstance(item, BaseException):
+                                raise item
+                            ticks += item.ticks
+                            if rid.startswith(prefix):
+                                if item.finish_reason is None and tally.first_seen < c:
+                                    tally.first_seen += 1
+                                if tally.measuring:
+                                    lat.append(t - item.engine_timestamp)
+                            elif item.finish_reason is not None:
+                                burst_done()
+                        acker.delivered(ticks)
+
+                nursery.start_soon(read)
+                for i in range(c):
+                    group.generate(_request(f"{prefix}{i}", common.prompt_tokens(cell["prompt_len"], i),
+                                            cell["max_tokens"]))
+            else:
+                for i in range(c):
+                    nursery.start_soon(consume, i)
+            await trio.to_thread.run_sync(self.ctl.wait_adds, adds + c)
+            await trio.to_thread.run_sync(self.ctl.run, cell)
+            with trio.fail_after(120):
+                while tally.first_seen < c:
+                    await trio.sleep(0.02)
+            await trio.sleep(cell["warmup_s"])
+            await self._ctl("mark")
+            passes = _PassTimer()
+            trio.lowlevel.add_instrument(passes)
+            longest_pass: list[float] = []
+            with tally.gc:
+                for b in range(cell["bursts"]):
+                    requests = [
+                        _request(f"b{self.cell_no}.{b}-{i}", common.prompt_tokens(cell["prompt_len"], i),
+                                 cell["burst_max_tokens"])
+                        for i in range(n)
+                    ]
+                    go = trio.Event()
+                    if not self.group:
+                        # The tasks exist before the burst (a gateway's request
+                        # handlers): the burst is their entering, not trio spawning them.
+                        for req in requests:
+                            nursery.start_soon(enter, req, go)
+                    await trio.sleep(cell["burst_gap_s"])
+                    state["left"], state["done"] = n, trio.Event()
+                    first = len(lat)
+                    tally.measuring = True
+                    passes.start()
+                    t0 = now()
+                    if self.group:
+                        for req in requests:
+                            group.generate(req)
+                    else:
+                        go.set()  # every task enters its stream in the next scheduler pass
+                    del requests
+                    with trio.fail_after(120):
+                        await state["done"].wait()
+                    admit.append(now() - t0)
+                    tally.measuring = passes.on = False
+                    max_waits.append(max(lat[first:], default=0.0))
+                    longest_pass.append(passes.longest)
+            trio.lowlevel.remove_instrument(passes)
+            stats = await self._ctl("stats")
+            nursery.cancel_scope.cancel()
+        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        result = common.burst_result(self.name, cell, lat, max_waits, admit, tally.gc, engine=stats)
+        result["longest_pass_cpu_ms"] = 1000.0 * max(longest_pass, default=0.0)
+        result["longest_pass_cpu_ms_per_burst"] = [1000.0 * x for x in longest_pass]
+        return result
 
     async def idle_rss(self, cell: dict[str, Any]) -> dict[str, Any]:
         """RSS growth per open stream on a holding engine: C streams, each read by

@@ -6,7 +6,13 @@ queues; every state transition is a synchronous method call, so the rules
 below are testable in microseconds without sockets:
 
 - **Admission.** :meth:`submit` refuses a live duplicate ``request_id`` (the
-  real engine asserts and dies on one) and anything after death.
+  real engine asserts and dies on one) and anything after death. It registers
+  the request and queues its ADD without encoding it: the ADD is encoded when
+  :meth:`pop_send` hands it to the input pump (tens of microseconds per
+  request, so a thousand requests entering at once would otherwise hold the
+  event loop, and the output routing, for tens of milliseconds). A request
+  that cannot be encoded (rare: validation runs first) is never sent: its
+  stream fails with :class:`~zmqdispatch.errors.RequestRejected`.
 - **Engine-side ids.** A request travels under its own ``request_id`` unless
   the engine may still hold something under that id: outputs of an aborted
   predecessor still in flight (nothing on the wire marks their end), a
@@ -64,6 +70,7 @@ from ..errors import (
     EngineDeadError,
     EngineRequestError,
     RemoteProtocolError,
+    RequestRejected,
     RequestStreamClosed,
     UnsupportedByRuntimeError,
     UtilityCallError,
@@ -98,6 +105,7 @@ class SendState(enum.Enum):
     SENT = "sent"  # accepted by the socket
     CANCELLED = "cancelled"  # dropped before it was sent (aborted ADD)
     FAILED = "failed"  # the engine died first
+    REJECTED = "rejected"  # an ADD whose request could not be encoded (``Outgoing.error``): never sent
 
 
 @attrs.define(slots=True, eq=False)
@@ -105,13 +113,17 @@ class Outgoing:
     """One multipart message for the input ROUTER: ``[identity, type, payload, *aux]``.
 
     ``waiter`` (set by the shell) is called once when ``state`` leaves
-    QUEUED/SENDING.
+    QUEUED/SENDING. An ADD is queued as ``[identity, type]`` with its
+    ``request`` and completed by :meth:`EngineProtocol.pop_send` (which
+    encodes it, or settles it REJECTED with ``error`` set).
     """
 
     frames: list[bytes]
     request_id: str | None = None
     state: SendState = SendState.QUEUED
     waiter: Callable[[], None] | None = None
+    request: Any = None  # an ADD's request, until pop_send encodes it
+    error: BaseException | None = None  # why a REJECTED ADD was not sent
 
     def _settle(self, state: SendState) -> None:
         self.state = state
@@ -291,11 +303,16 @@ class EngineProtocol:
         one, ``Mailbox.wire_id``. Either way the mailbox and its deltas carry
         the caller's ``request_id``.
 
+        The ADD is encoded later, by :meth:`pop_send`. If the request cannot be
+        encoded then (e.g. an int beyond 64 bits, a schema nested too deep for
+        the encoder), it is retired, its mailbox fails with
+        :class:`~zmqdispatch.errors.RequestRejected`, and the ADD settles
+        ``REJECTED`` with that error in ``Outgoing.error``; nothing is sent.
+
         Raises:
             EngineDeadError: the engine is dead.
             RuntimeMismatchError: the request is for the other runtime.
             DuplicateRequestIdError: the id is live on this link.
-            RequestRejected: the request cannot be encoded (e.g. an int beyond 64 bits).
         """
         self.check_alive()
         runtime = self.runtime
@@ -306,8 +323,7 @@ class EngineProtocol:
         if self._held_by_engine(rid):
             wire_id = self._fresh_wire_id(rid)
             request = runtime.with_request_id(request, wire_id)
-        frames = runtime.encode_add(request)
-        out = Outgoing([self.identity, _ADD, *frames], wire_id)
+        out = Outgoing([self.identity, _ADD], wire_id, request=request)
         mb = mailbox if mailbox is not None else Mailbox(rid, self.max_pending_tokens)
         mb.add = out
         mb.wire_id = wire_id
@@ -388,6 +404,7 @@ class EngineProtocol:
                 error if error is not None else RequestStreamClosed(f"request {rid!r} was aborted", request_id=rid)
             )
             if mb.add.state is SendState.QUEUED:
+                mb.add.request = None
                 mb.add._settle(SendState.CANCELLED)  # never reaches the engine
             elif self.state is LinkState.READY:
                 self._queue_abort(mb.wire_id)
@@ -434,7 +451,9 @@ class EngineProtocol:
         """Next message for the input ROUTER, or ``None``.
 
         Pending aborts go first, as one batched ABORT frame; then the outbox
-        (ADDs and utility calls) in submission order. Aborts first is always
+        (ADDs and utility calls) in submission order. An ADD is encoded here
+        (see :meth:`submit`); one that cannot be is settled ``REJECTED`` and
+        skipped. Aborts first is always
         safe and sometimes required: an id is only in the pending set once
         its ADD was handed to the socket (the pump sends one message at a
         time, so that send has completed), and a request resubmitted with the
@@ -453,9 +472,37 @@ class EngineProtocol:
         while self._outbox:
             out = self._outbox.popleft()
             if out.state is SendState.QUEUED:
+                if out.request is not None and not self._encode_add(out):
+                    continue
                 out.state = SendState.SENDING
                 return out
         return None
+
+    def _encode_add(self, out: Outgoing) -> bool:
+        """Complete a queued ADD's frames; False (and the request retired,
+        its stream failed) when its request cannot be encoded."""
+        request, out.request = out.request, None
+        runtime = self.runtime
+        try:
+            out.frames += runtime.encode_add(request)
+        except Exception as exc:  # never out of the input pump: this request fails alone
+            mb = self._requests.get(out.request_id) if out.request_id is not None else None
+            if mb is None or mb.add is not out:
+                mb = None
+            rid = mb.request_id if mb is not None else runtime.request_id(request)
+            error = RequestRejected(
+                str(exc) if isinstance(exc, RequestRejected)
+                else f"request cannot be encoded for the {runtime.engine_name}: {exc!r}",
+                request_id=rid,
+            )
+            error.__cause__ = exc
+            if mb is not None:
+                del self._requests[mb.wire_id]
+                mb.fail(error)
+            out.error = error
+            out._settle(SendState.REJECTED)
+            return False
+        return True
 
     def send_done(self, out: Outgoing) -> None:
         """The socket accepted *out*."""
@@ -734,14 +781,18 @@ class EngineProtocol:
 
     def _fail_requests(self, request_ids: list[str], exc: RemoteProtocolError) -> None:
         """Fail these live requests with *exc* (after tokens they already have)
-        and abort them on the engine: their outputs can no longer be trusted."""
+        and abort them on the engine: their outputs can no longer be trusted.
+        Requests whose ADD is still queued are left alone: the engine has not
+        seen them, so no output was about them (and their ADD is still to go)."""
         woke = False
+        requests = self._requests
         for rid in request_ids:
-            entry = self._requests.pop(rid, None)
-            if entry is None:
+            entry = requests.get(rid)
+            if entry is None or entry.add.state is SendState.QUEUED:
                 continue
+            del requests[rid]
             entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: undecodable engine output: {exc}"))
-            if self.state is LinkState.READY and entry.add.state is not SendState.QUEUED:
+            if self.state is LinkState.READY:
                 self._queue_abort(rid)
                 woke = True
         if woke:
