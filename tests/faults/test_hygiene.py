@@ -115,7 +115,8 @@ def test_examples_and_help_bind_tcp_on_loopback_only():
     """Every concrete tcp host in the README, the package (docstrings, CLI help)
     and the scripts is loopback; placeholders (HOST, ...) are fine."""
     allowed = {"127.0.0.1", "localhost", "[::1]", "HOST", "..."}
-    files = [REPO / "README.md", *PACKAGE.rglob("*.py"), *(REPO / "scripts").rglob("*.py"),
+    files = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "examples").rglob("*.py"),
+             *PACKAGE.rglob("*.py"), *(REPO / "scripts").rglob("*.py"),
              *(REPO / "scripts").rglob("*.sh"), *(REPO / "benchmarks").rglob("*.py")]
     hosts = {}
     for f in files:
@@ -384,7 +385,7 @@ def test_frame_and_tick_limits_are_defined_once_in_limits_py_and_used_from_there
             if name in text:
                 users.append(f.name)
         assert users, f"{name} is documented but unused"
-    assert "limits.py" in (REPO / "README.md").read_text()
+    assert "limits." in (REPO / "docs" / "failure-semantics.md").read_text()
 
 
 async def test_the_output_socket_is_capped_at_max_frame_bytes():
