@@ -16,12 +16,13 @@ from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
 
 @asynccontextmanager
 async def fake_pair(
-    *, max_model_len: int = 1024, engine_kw: dict | None = None, **config: object
+    *, max_model_len: int = 1024, ready: object = None, engine_kw: dict | None = None, **config: object
 ) -> AsyncIterator[tuple[FakeEngine, EngineClient]]:
-    """Yield ``(engine, client)`` after a completed handshake."""
+    """Yield ``(engine, client)`` after a completed handshake. ``ready``: the
+    engine's ready response (default: ``default_ready(max_model_len)``)."""
     d = tempfile.mkdtemp(prefix="zqt-")
     addr = f"ipc://{d}/hs.sock"
-    engine = FakeEngine(addr, ready=default_ready(max_model_len), **(engine_kw or {}))
+    engine = FakeEngine(addr, ready=ready or default_ready(max_model_len), **(engine_kw or {}))
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.run_handshake)
@@ -48,17 +49,17 @@ def mock_clock():
 
 
 @asynccontextmanager
-async def tokenspeed_pair(
-    *, max_model_len: int = 1024, engine_kw: dict | None = None, **config: object
+async def mock_pair(
+    *, runtime: str = "vllm", max_model_len: int = 1024, engine_kw: dict | None = None, **config: object
 ) -> AsyncIterator[tuple[object, EngineClient]]:
-    """Yield ``(engine, client)``: the TokenSpeed mock engine running in-process
+    """Yield ``(engine, client)``: the mock engine of *runtime* running in-process
     (its scheduler state in ``engine.core``) and a client connected to it."""
     from zmqdispatch.mock.server import MockEngineConfig, start_mock_engine
 
     d = tempfile.mkdtemp(prefix="zqt-")
     addr = f"ipc://{d}/hs.sock"
     kw = {"step_interval": 0.001, **(engine_kw or {})}
-    cfg = MockEngineConfig(handshake_address=addr, runtime="tokenspeed", max_model_len=max_model_len, **kw)
+    cfg = MockEngineConfig(handshake_address=addr, runtime=runtime, max_model_len=max_model_len, **kw)
     box: dict[str, object] = {}
     try:
         async with trio.open_nursery() as nursery:
@@ -76,3 +77,8 @@ async def tokenspeed_pair(
             nursery.cancel_scope.cancel()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def tokenspeed_pair(**kw: object):
+    """:func:`mock_pair` with the TokenSpeed mock."""
+    return mock_pair(runtime="tokenspeed", **kw)

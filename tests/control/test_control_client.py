@@ -3,20 +3,18 @@ goes on the wire, how replies are typed, what is refused before sending."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from contextlib import asynccontextmanager
 
 import attrs
 import pytest
 import trio
 
-from zmqdispatch import ClientConfig, RemoteProtocolError, UnsupportedByRuntimeError, UtilityCallError, connect
+from zmqdispatch import RemoteProtocolError, UnsupportedByRuntimeError, UtilityCallError
 from zmqdispatch.protocol import control
 from zmqdispatch.protocol.control import LoRARequest
 from zmqdispatch.protocol.versions import EngineVersion
-from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
+from zmqdispatch.testing.fake_engine import default_ready
 from zmqdispatch.wire import vllm as wire
+from tests.client.conftest import fake_pair
 
 GUARD = 30
 V032 = EngineVersion.parse("0.32.0")
@@ -24,20 +22,8 @@ V033 = EngineVersion.parse("0.33.0")
 TS = EngineVersion.parse("tokenspeed-0.1.1")
 
 
-@asynccontextmanager
-async def pair(version: str = "0.32.0"):
-    d = tempfile.mkdtemp(prefix="zqc-")
-    addr = f"ipc://{d}/hs.sock"
-    engine = FakeEngine(addr, ready=attrs.evolve(default_ready(), vllm_version=version))
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine.run_handshake)
-            async with connect(addr, config=ClientConfig(handshake_timeout=GUARD)) as client:
-                await engine.handshake_done.wait()
-                yield engine, client
-            engine.close()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def pair(version: str = "0.32.0"):
+    return fake_pair(ready=attrs.evolve(default_ready(), vllm_version=version), handshake_timeout=GUARD)
 
 
 async def roundtrip(engine, client, call, reply, *, failure=None):

@@ -3,44 +3,20 @@ through the typed client calls."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from contextlib import asynccontextmanager
-
 import pytest
 import trio
 
-from zmqdispatch import ClientConfig, UtilityCallError, connect
-from zmqdispatch.mock.server import MockEngineConfig, start_mock_engine
+from zmqdispatch import UtilityCallError
 from zmqdispatch.protocol.control import LoRARequest
 from zmqdispatch.wire import vllm as wire
 from tests.helpers import make_request
+from tests.client.conftest import mock_pair as vllm_mock_pair
 
 GUARD = 30
 
 
-@asynccontextmanager
-async def mock_pair():
-    d = tempfile.mkdtemp(prefix="zqm-")
-    addr = f"ipc://{d}/hs.sock"
-    cfg = MockEngineConfig(handshake_address=addr, step_interval=0.001)
-    box = {}
-    try:
-        async with trio.open_nursery() as nursery:
-
-            async def engine_side():
-                box["engine"] = engine = await start_mock_engine(cfg, in_process=True)
-                try:
-                    await engine.run()
-                finally:
-                    engine.socks.close()
-
-            nursery.start_soon(engine_side)
-            async with connect(addr, config=ClientConfig(handshake_timeout=GUARD)) as client:
-                yield box["engine"], client
-            nursery.cancel_scope.cancel()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def mock_pair():
+    return vllm_mock_pair(max_model_len=4096, handshake_timeout=GUARD)
 
 
 async def test_sleep_wake_and_pause_resume():

@@ -5,9 +5,6 @@ decodes what it received and compares it with the C-order values."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from contextlib import asynccontextmanager
 
 import attrs
 import numpy as np
@@ -17,13 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from zmqdispatch import ClientConfig, RequestRejected, connect
+from zmqdispatch import RequestRejected
 from zmqdispatch.errors import LocalProtocolError
-from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
+from zmqdispatch.testing.fake_engine import default_ready
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire.tensors import Tensor, as_c_bytes, check_tensor
 
 from ..helpers import make_request
+from ..client.conftest import fake_pair
 
 GUARD = 30
 
@@ -79,20 +77,8 @@ def test_non_contiguous_data_is_copied_in_c_order(make):
     assert all(type(f) is bytes or (f.c_contiguous and f.format == "B" and f.ndim == 1) for f in frames)
 
 
-@asynccontextmanager
-async def pair():
-    d = tempfile.mkdtemp(prefix="zqt-")
-    addr = f"ipc://{d}/hs.sock"
-    engine = FakeEngine(addr, ready=default_ready())
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine.run_handshake)
-            async with connect(addr, config=ClientConfig(handshake_timeout=GUARD)) as client:
-                await engine.handshake_done.wait()
-                yield engine, client
-            engine.close()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def pair():
+    return fake_pair(ready=default_ready(), handshake_timeout=GUARD)
 
 
 async def send_and_receive(engine, client, request):
