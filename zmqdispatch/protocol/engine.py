@@ -830,11 +830,15 @@ class EngineProtocol:
         deaths[exc.reason] = deaths.get(exc.reason, 0) + 1
         self.stats.forget_all()
         lost = len(self._requests), len(self._utility)
-        _log.log(
-            logging.WARNING if any(lost) and exc.reason != "closed" else logging.INFO,
-            "engine %d dead (reason %s): %s; %d requests and %d utility calls failed, %d possibly left running",
-            self.engine_index, exc.reason, exc, *lost, len(self._orphans),
-        )
+        if exc.reason == "closed":
+            _log.info("engine %d: link closed (%d requests and %d utility calls failed, %d possibly left running)",
+                      self.engine_index, *lost, len(self._orphans))
+        else:
+            _log.log(
+                logging.WARNING if any(lost) else logging.INFO,
+                "engine %d dead (reason %s): %s; %d requests and %d utility calls failed, %d possibly left running",
+                self.engine_index, exc.reason, exc, *lost, len(self._orphans),
+            )
         requests = self._requests
         self._requests = {}
         for rid, entry in requests.items():
