@@ -60,7 +60,7 @@ class Histogram:
     the last entry (``counts[len(bounds)]``) counts values above every bound.
     """
 
-    __slots__ = ("bounds", "counts", "sum", "count")
+    __slots__ = ("bounds", "counts", "sum")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         if list(bounds) != sorted(set(bounds)):
@@ -68,13 +68,16 @@ class Histogram:
         self.bounds = tuple(bounds)
         self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
-        self.count = 0
+
+    @property
+    def count(self) -> int:
+        """Number of observations."""
+        return sum(self.counts)
 
     def observe(self, value: float, n: int = 1) -> None:
         """Count *value* (seconds) *n* times."""
         self.counts[bisect_left(self.bounds, value)] += n
         self.sum += value * n
-        self.count += n
 
 
 class LinkStats:
@@ -133,6 +136,21 @@ class LinkStats:
         (vLLM ``EngineCoreOutput`` rows), or its ids (TokenSpeed ``rids``).
         Called after routing: a mailbox's pending delta holds what this
         message gave it (nothing runs in between)."""
+        firsts = self._first_tokens(outputs, now) if self._awaiting else 0
+        if rows:
+            # ITL, inlined (once per message): Histogram.observe(now - last, continuing)
+            last = self._last_rows_at
+            self._last_rows_at = now
+            continuing = rows - firsts
+            if last is not None and continuing > 0:
+                itl = self.itl
+                gap = now - last
+                itl.counts[bisect_left(itl.bounds, gap)] += continuing
+                itl.sum += gap * continuing
+
+    def _first_tokens(self, outputs: Sequence[Any], now: float) -> int:
+        """Observe the TTFT of awaited requests that got a token in *outputs*;
+        return how many did."""
         firsts = 0
         awaiting = self._awaiting
         if awaiting:
@@ -156,12 +174,7 @@ class LinkStats:
                         _log.debug("request %r: first token after %.3f s", mb.request_id, now - t0)
                 elif mb.finished:
                     del awaiting[wire_id]  # ended without a token (abort, error)
-        if rows:
-            last = self._last_rows_at
-            self._last_rows_at = now
-            continuing = rows - firsts
-            if last is not None and continuing > 0:
-                self.itl.observe(now - last, continuing)
+        return firsts
 
     def forget_all(self) -> None:
         """The link died: nothing is awaited any more."""
