@@ -58,7 +58,7 @@ from .errors import (
     UtilityCallTimeout,
 )
 from .metrics import EngineStats
-from .protocol.deadlines import Deadlines, DeadlineScheduler, TimedMailbox
+from .protocol.deadlines import Deadlines, DeadlineScheduler, TimedMailbox, effective_deadlines
 from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
 from .protocol.runtime import Runtime
 from .protocol.mailbox import Mailbox, OutputDelta
@@ -531,28 +531,31 @@ class EngineClient:
 
         Raises:
             RuntimeMismatchError: the request is for the other runtime.
-            RequestRejected: the request fails validation (nothing is sent).
+            RequestRejected: the request fails validation, or ``deadlines`` is
+                not a ``Deadlines`` (nothing is sent).
             DuplicateRequestIdError: the ``request_id`` is live (checked again
                 on entering).
             EngineDeadError: the engine is dead or the client closed.
         """
         self.check_request(request)
+        deadlines = effective_deadlines(deadlines)
         p = self._protocol
         p.check_alive()
         rid = self.runtime.request_id(request)
         p.check_request_id(rid)
-        return RequestStream(self, rid, request, deadlines if deadlines is not None and deadlines.any else None)
+        return RequestStream(self, rid, request, deadlines)
 
     def _submit(self, request: Any, deadlines: Deadlines | None = None) -> tuple[Mailbox, Outgoing]:
         """Validate and queue *request* now; its mailbox and ADD (StreamGroup, fan-out)."""
         self.check_request(request)
-        mailbox = self._queue_request(request, deadlines)
+        mailbox = self._queue_request(request, effective_deadlines(deadlines))
         return mailbox, mailbox.add
 
     def _queue_request(self, request: Any, deadlines: Deadlines | None) -> Mailbox:
-        """Register *request* (validated) and queue its ADD; start its deadlines."""
+        """Register *request* (validated) and queue its ADD; start its
+        *deadlines* (from :func:`effective_deadlines`)."""
         p = self._protocol
-        if deadlines is None or not deadlines.any:
+        if deadlines is None:
             mailbox, _add = p.submit(request)
         else:
             timed = TimedMailbox(self.runtime.request_id(request), p.max_pending_tokens, p, deadlines)

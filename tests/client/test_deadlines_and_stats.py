@@ -112,6 +112,19 @@ async def test_deadlines_in_a_stream_group_and_in_fan_out(mock_clock):
                     await merged.receive()
 
 
+async def test_deadlines_of_the_wrong_type_are_refused_before_anything_is_sent():
+    from zmqdispatch import RequestRejected
+
+    async with fake_pair() as (engine, client):
+        with pytest.raises(RequestRejected) as ei:
+            client.generate(make_request("r1"), deadlines={"total": 1.0})
+        assert ei.value.field == "deadlines"
+        async with open_stream_group(client) as group:
+            with pytest.raises(RequestRejected):
+                group.generate(make_request("r2"), deadlines=5)
+        assert client.stats().requests == 0
+
+
 async def test_stats_snapshot_after_a_request(mock_clock):
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):

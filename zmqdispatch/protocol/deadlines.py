@@ -40,7 +40,7 @@ from ..errors import DeadlineExceeded, RequestRejected
 from ..wire.vllm import O_NEW_TOKEN_IDS as _O_TOKENS
 from .mailbox import Mailbox
 
-__all__ = ["Deadlines", "DeadlineScheduler", "TimedMailbox", "LIMITS"]
+__all__ = ["Deadlines", "DeadlineScheduler", "TimedMailbox", "LIMITS", "effective_deadlines"]
 
 #: The limit names, as in ``DeadlineExceeded.limit`` and :class:`Deadlines`' fields.
 LIMITS = ("first_token", "total", "stall")
@@ -84,6 +84,21 @@ class Deadlines:
     def any(self) -> bool:
         """True when at least one limit is set."""
         return self.first_token is not None or self.total is not None or self.stall is not None
+
+
+def effective_deadlines(deadlines: Any) -> Deadlines | None:
+    """*deadlines* when it sets a limit, else ``None`` (nothing to track).
+
+    Raises:
+        RequestRejected: *deadlines* is not a :class:`Deadlines` (``field="deadlines"``).
+    """
+    if deadlines is None:
+        return None
+    if not isinstance(deadlines, Deadlines):
+        raise RequestRejected(
+            f"deadlines must be a zmqdispatch.Deadlines, got {type(deadlines).__name__}", field="deadlines"
+        )
+    return deadlines if deadlines.any else None
 
 
 class TimedMailbox(Mailbox):
