@@ -208,6 +208,10 @@ class StatsCollector:
     clients (anything with ``stats() -> EngineStats``) as they come and go.
     A scrape calls ``stats()`` on each: no cost between scrapes.
 
+    Every sample is labelled ``engine_index``; clients whose engines share an
+    index (separate engines that are each DP rank 0) need a label of their
+    own: ``add(client, engine="gpu-a")``.
+
     Raises:
         ImportError: ``prometheus_client`` is not installed (on construction).
     """
@@ -215,17 +219,29 @@ class StatsCollector:
     def __init__(self, clients: Iterable[Any] = ()) -> None:
         import prometheus_client.core  # noqa: F401  (fail early without the extra)
 
-        self._clients: list[Any] = list(clients)
+        self._clients: list[tuple[Any, dict[str, str]]] = []
+        for c in clients:
+            self.add(c)
 
-    def add(self, client: Any) -> None:
-        """Report *client* from the next scrape on."""
-        if client not in self._clients:
-            self._clients.append(client)
+    def add(self, client: Any, **labels: str) -> None:
+        """Report *client* from the next scrape on, with these extra labels.
+
+        Raises:
+            ValueError: the extra label names differ from those of the clients
+                already added (one metric family has one set of label names).
+        """
+        if any(c is client for c, _ in self._clients):
+            return
+        if self._clients and sorted(labels) != sorted(self._clients[0][1]):
+            raise ValueError(
+                f"labels {sorted(labels)} differ from those of the clients already added "
+                f"({sorted(self._clients[0][1])})"
+            )
+        self._clients.append((client, {k: str(v) for k, v in labels.items()}))
 
     def remove(self, client: Any) -> None:
         """Stop reporting *client* (idempotent)."""
-        if client in self._clients:
-            self._clients.remove(client)
+        self._clients = [(c, lab) for c, lab in self._clients if c is not client]
 
     def describe(self) -> list[Any]:
         # Metric names are fixed, but their samples depend on the clients: an
@@ -235,24 +251,27 @@ class StatsCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        snapshots = [c.stats() for c in list(self._clients)]
-        label = ["engine_index"]
+        clients = list(self._clients)
+        extra = sorted(clients[0][1]) if clients else []
+        label = ["engine_index", *extra]
+        rows = [(c.stats(), lab) for c, lab in clients]
+        keyed = [(s, [str(s.engine_index), *(lab[k] for k in extra)]) for s, lab in rows]
         for name, attr, help_text in _COUNTERS:
             fam = CounterMetricFamily(name, help_text, labels=label)
-            for s in snapshots:
-                fam.add_metric([str(s.engine_index)], getattr(s, attr))
+            for s, values in keyed:
+                fam.add_metric(values, getattr(s, attr))
             yield fam
         for name, attr, key, help_text in _LABELLED:
             fam = CounterMetricFamily(name, help_text, labels=[*label, key])
-            for s in snapshots:
+            for s, values in keyed:
                 for value, n in sorted(getattr(s, attr).items()):
-                    fam.add_metric([str(s.engine_index), value], n)
+                    fam.add_metric([*values, value], n)
             yield fam
         inflight = GaugeMetricFamily("zmqdispatch_requests_in_flight", "Live requests.", labels=label)
         up = GaugeMetricFamily("zmqdispatch_engine_up", "1 while the engine accepts requests, else 0.", labels=label)
-        for s in snapshots:
-            inflight.add_metric([str(s.engine_index)], s.in_flight)
-            up.add_metric([str(s.engine_index)], 1 if s.state == "ready" else 0)
+        for s, values in keyed:
+            inflight.add_metric(values, s.in_flight)
+            up.add_metric(values, 1 if s.state == "ready" else 0)
         yield inflight
         yield up
         for name, attr, help_text in (
@@ -262,8 +281,8 @@ class StatsCollector:
              "Seconds between receipts of a request's consecutive token outputs."),
         ):
             fam = HistogramMetricFamily(name, help_text, labels=label)
-            for s in snapshots:
+            for s, values in keyed:
                 h: HistogramSnapshot = getattr(s, attr)
                 buckets = [("+Inf" if b == float("inf") else repr(float(b)), n) for b, n in h.cumulative()]
-                fam.add_metric([str(s.engine_index)], buckets, sum_value=h.sum)
+                fam.add_metric(values, buckets, sum_value=h.sum)
             yield fam

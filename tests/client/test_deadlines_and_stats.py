@@ -197,6 +197,38 @@ async def test_prometheus_collector_exports_conventional_names():
     assert "engine_index" not in prometheus_client.generate_latest(registry).decode()
 
 
+def test_prometheus_collector_tells_engines_of_the_same_index_apart_by_extra_labels():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from zmqdispatch.metrics import StatsCollector
+
+    class Fake:
+        def __init__(self, requests: int) -> None:
+            self.requests = requests
+
+        def stats(self) -> EngineStats:
+            from zmqdispatch.metrics import HistogramSnapshot
+
+            h = HistogramSnapshot(bounds=(0.1,), counts=(0, 0), sum=0.0, count=0)
+            return EngineStats(
+                engine_index=0, runtime="vllm", state="ready", death_reason=None, in_flight=0,
+                pending_utility_calls=0, requests=self.requests, finishes={}, aborts=0, abort_ids_sent=0,
+                decode_errors=0, deaths={}, output_drops=0, slow_consumers=0, renamed_requests=0,
+                unknown_outputs=0, deadlines_exceeded={}, output_messages=0, time_to_first_token=h,
+                inter_token_latency=h,
+            )
+
+    registry = prometheus_client.CollectorRegistry()
+    collector = StatsCollector()
+    registry.register(collector)
+    collector.add(Fake(3), engine="a")
+    collector.add(Fake(5), engine="b")
+    with pytest.raises(ValueError):
+        collector.add(Fake(1))  # no "engine" label: the families' label names would differ
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'zmqdispatch_requests_total{engine="a",engine_index="0"} 3.0' in text
+    assert 'zmqdispatch_requests_total{engine="b",engine_index="0"} 5.0' in text
+
+
 async def test_lifecycle_and_request_life_are_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="zmqdispatch"):
         async with fake_pair() as (engine, client):
