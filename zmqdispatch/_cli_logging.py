@@ -2,9 +2,10 @@
 a ``NullHandler``: ``docs/operations.md``).
 
 Records of the ``zmqdispatch`` tree go to stderr at the chosen level; stdout
-stays for the program's output. One kind of record passes at any level: what
-the program is waiting for (``extra={"zmqdispatch_wait": True}``: "waiting
-for an engine at ADDR, timeout N s"), so a wait is never silent.
+stays for the program's output. With ``announce_waits``, one kind of record
+passes at any level: what the program is waiting for
+(``extra={"zmqdispatch_wait": True}``: "waiting for an engine at ADDR, timeout
+N s"), so a wait for an engine started elsewhere is never silent.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def configure(level: str) -> logging.Handler:
+def configure(level: str, *, announce_waits: bool = False) -> logging.Handler:
     """Send the ``zmqdispatch`` logger tree to stderr at *level* (one of
-    :data:`LOG_LEVELS`); return the handler. Idempotent per process: a second
-    call replaces the first handler."""
+    :data:`LOG_LEVELS`); with *announce_waits*, the wait records at any level.
+    Return the handler. Idempotent per process: a second call replaces the
+    first handler."""
     threshold = getattr(logging, level.upper())
     root = logging.getLogger("zmqdispatch")
     for h in list(root.handlers):
@@ -32,7 +34,9 @@ def configure(level: str) -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler._zmqdispatch_cli = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter(_FORMAT))
-    handler.addFilter(lambda r: r.levelno >= threshold or getattr(r, "zmqdispatch_wait", False))
+    handler.addFilter(
+        lambda r: r.levelno >= threshold or (announce_waits and getattr(r, "zmqdispatch_wait", False))
+    )
     root.addHandler(handler)
     root.setLevel(min(threshold, logging.INFO))  # INFO records exist for the wait line
     root.propagate = False  # the program owns stderr: no second copy through the root logger

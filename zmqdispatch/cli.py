@@ -520,7 +520,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command in ("generate", "mock-engine"):
-        _cli_logging.configure(args.log_level)
+        # The wait for an engine started elsewhere (or by --launch) is said at
+        # any level; the embedded mock answers within a second or fails.
+        _cli_logging.configure(args.log_level, announce_waits=args.command == "generate" and (
+            args.handshake_address is not None or args.launch is not None))
     if args.command == "bench":
         return bench_harness.main(args)
     if args.command == "mock-engine":

@@ -45,11 +45,22 @@ def test_debug_shows_the_life_of_a_request_on_stderr_and_stdout_stays_proto_json
     assert "DEBUG zmqdispatch.mock: mock engine 0: ADD 'life-1'" in err
 
 
-def test_default_level_says_only_what_it_waits_for():
-    p = run_cli("generate", "--prompt-token-ids", "1,2,3", "--max-tokens", "2")
+def test_default_level_says_only_what_it_waits_for(tmp_path):
+    addr = f"ipc://{tmp_path}/hs.sock"
+    engine = subprocess.Popen([sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", addr],
+                              env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        p = run_cli("generate", "--handshake-address", addr, "--prompt-token-ids", "1,2,3", "--max-tokens", "2",
+                    "--handshake-timeout", "30")
+    finally:
+        engine.terminate()
+        engine.wait(10)
     assert p.returncode == 0, p.stderr
     (line,) = p.stderr.splitlines()
-    assert "waiting for an engine at ipc://" in line and "timeout 600.0 s" in line
+    assert f"waiting for an engine at {addr}, timeout 30.0 s" in line
+    # the embedded mock (ours, up within a second) is waited for silently at the default level
+    p = run_cli("generate", "--prompt-token-ids", "1,2,3", "--max-tokens", "2")
+    assert p.returncode == 0 and p.stderr == ""
 
 
 def test_a_missed_deadline_exits_3_naming_the_limit():

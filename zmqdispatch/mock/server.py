@@ -470,6 +470,8 @@ async def serve_mock_engine(
                 assert monitor is not None
                 while True:
                     await _client_left(monitor)
+                    _log.info("mock engine %d: the client's input connection closed; waiting for it to come back "
+                              "or for a new client's handshake", cfg.engine_index)
                     async with trio.open_nursery() as race:
 
                         async def back() -> None:
@@ -486,6 +488,7 @@ async def serve_mock_engine(
                     if replacement:
                         nursery.cancel_scope.cancel()
                         break
+                    _log.info("mock engine %d: the client reconnected (a resumed session)", cfg.engine_index)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await engine.shutdown()
