@@ -1,8 +1,10 @@
-"""Every script in ``examples/`` and every ``python`` block of the README runs
-as written (each launches the mock engine when no address is given)."""
+"""Every script in ``examples/`` and every ``python`` block of the README and of
+``docs/`` runs as written (each launches the mock engine when no address is
+given)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +14,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-README_BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+SNIPPETS = [
+    (f"{doc.relative_to(ROOT)}[{i}]", block)
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S))
+]
+
+def _metrics_and_logging(out: str) -> None:
+    lines = out.splitlines()
+    assert sorted(line for line in lines if line.startswith("req-")) == [
+        f"req-{i}: 8 tokens, finish_reason=length" for i in range(4)
+    ]
+    (late,) = [line for line in lines if line.startswith("too-long:")]
+    assert "DeadlineExceeded(limit='total', seconds=0.3)" in late
+    assert "5 requests, finishes {'length': 4}, aborts 1, deadlines exceeded {'total': 1}" in out
+    assert 'zmqdispatch_requests_total{engine_index="0"} 5.0' in lines
+    assert 'zmqdispatch_deadlines_exceeded_total{engine_index="0",limit="total"} 1.0' in lines
+
 
 def _control_plane(out: str) -> None:
     for line in ("engine: vLLM 0.32.0+zmqdispatch.mock (known)", "sleeping: True", "fully awake: True",
@@ -32,11 +50,19 @@ EXPECTED = {
     "many_streams.py": r"100 requests, 1600 tokens",
     "tokenspeed.py": r"(?m)(^[01] \[(\d+, ){7}\d+\] length\n){2}",
     "control_plane.py": _control_plane,
+    "metrics_and_logging.py": _metrics_and_logging,
+}
+
+#: What each example must log on stderr (its logs never go to stdout).
+EXPECTED_STDERR = {
+    "metrics_and_logging.py": ("INFO zmqdispatch.client: engine 0 ready",
+                               "WARNING zmqdispatch.client: engine 0: request 'too-long': not finished within 0.3 s"),
 }
 
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -50,16 +76,33 @@ def test_example_runs_as_written(path: Path) -> None:
         expected(p.stdout)
     else:
         assert re.search(expected, p.stdout), p.stdout
+    for line in EXPECTED_STDERR.get(path.name, ()):
+        assert line in p.stderr, p.stderr
 
 
 def test_every_example_has_its_expectation() -> None:
     assert sorted(EXPECTED) == sorted(p.name for p in EXAMPLES)
 
 
-@pytest.mark.parametrize("index", range(len(README_BLOCKS)))
-def test_readme_snippet_runs_as_written(index: int, tmp_path: Path) -> None:
-    script = tmp_path / f"readme_{index}.py"
-    script.write_text(README_BLOCKS[index])
+#: What a snippet must print (its whitespace-separated words), beyond exiting 0.
+SNIPPET_STDOUT = {
+    "docs/control-plane.md[0]": ["vLLM", "0.32.0+zmqdispatch.mock", "True", "True", "True"],
+}
+
+
+@pytest.mark.parametrize("name,snippet", SNIPPETS, ids=[name for name, _ in SNIPPETS])
+def test_snippet_runs_as_written(name: str, snippet: str, tmp_path: Path) -> None:
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet)
     p = run([sys.executable, str(script)], tmp_path)
-    assert p.returncode == 0, f"README python block {index}:\n{README_BLOCKS[index]}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, f"{name}:\n{snippet}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr
+    if name in SNIPPET_STDOUT:
+        assert p.stdout.split() == SNIPPET_STDOUT[name]
+
+
+def test_the_docs_have_their_snippets() -> None:
+    names = [name for name, _ in SNIPPETS]
+    assert "README.md[0]" in names
+    assert sum(n.startswith("docs/operations.md") for n in names) == 4
+    assert "docs/control-plane.md[0]" in names

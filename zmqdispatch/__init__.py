@@ -14,7 +14,11 @@ wire; ``_zmq_trio`` the only module that calls pyzmq; ``client`` the trio
 shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
 """
 
+import logging as _logging
 from importlib import metadata as _metadata
+
+# A library is silent unless its user configures logging (docs/operations.md).
+_logging.getLogger("zmqdispatch").addHandler(_logging.NullHandler())
 
 try:
     #: the installed distribution's version (``pyproject.toml``)
@@ -22,17 +26,21 @@ try:
 except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-from .client import ClientConfig, EngineClient, EngineSession, LoRARequest, RequestStream, connect
-from . import errors
-from .errors import *  # noqa: F403  (the public hierarchy, listed in errors.__all__)
-from .protocol.mailbox import OutputDelta
+from .client import ClientConfig, EngineClient, EngineSession, LoRARequest, RequestStream, connect  # noqa: E402
+from . import errors  # noqa: E402
+from .errors import *  # noqa: F403,E402  (the public hierarchy, listed in errors.__all__)
+from .metrics import EngineStats  # noqa: E402
+from .protocol.deadlines import Deadlines  # noqa: E402
+from .protocol.mailbox import OutputDelta  # noqa: E402
 
 __all__ = [
     "__version__",
     "ClientConfig",
+    "Deadlines",
     "EngineClient",
     "EngineSession",
     "LoRARequest",
+    "EngineStats",
     "RequestStream",
     "OutputDelta",
     "connect",

@@ -39,6 +39,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from . import __version__
 from .addresses import check_address
+from . import _cli_logging
 from .client import ClientConfig, _unwrap, connect
 from .errors import (
     AddressBindError,
@@ -52,6 +53,7 @@ from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
 from .fanout import generate_parallel
 from .mock.server import RUNTIMES
+from .protocol.deadlines import Deadlines
 from .protocol.runtime import Runtime
 from .translate import tokenspeed as ts_translate
 from .translate import vllm as vllm_translate
@@ -239,6 +241,13 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--allow-unknown-engine-version", action="store_true",
                      help="connect to an engine version the wire codec was not checked against "
                           "(logs a warning; default: refuse it)")
+    lim = g.add_argument_group("deadlines (per sample; past one the request is aborted, exit 3)")
+    lim.add_argument("--first-token-timeout", type=float, metavar="S", help="seconds to the first token")
+    lim.add_argument("--total-timeout", type=float, metavar="S", help="seconds to the final output")
+    lim.add_argument("--stall-timeout", type=float, metavar="S", help="seconds without a new token")
+    g.add_argument("--log-level", choices=_cli_logging.LOG_LEVELS, default="warning",
+                   help="log records of the zmqdispatch loggers on stderr ("
+                        "debug shows every request's life)")
 
     m = sub.add_parser(
         "mock-engine",
@@ -250,6 +259,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--handshake-address", required=True, metavar="ADDR",
                    help="the client's handshake address to dial (tcp://HOST:PORT or ipc://PATH)")
+    m.add_argument("--log-level", choices=_cli_logging.LOG_LEVELS, default="warning",
+                   help="log records of the zmqdispatch loggers on stderr")
     m.add_argument("--runtime", choices=RUNTIMES, default="vllm", help="which engine to imitate")
     m.add_argument("--engine-index", type=_bounded_int(0, 2**16 - 1), default=0,
                    help="DP rank (its 2-byte identity)")
@@ -385,6 +396,8 @@ def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--eos-token-id", ",".join(map(str, args.eos_token_id))]
     if args.vocab_size is not None:
         argv += ["--vocab-size", str(args.vocab_size)]
+    if args.log_level != "warning":
+        argv += ["--log-level", args.log_level]
     return argv
 
 
@@ -439,7 +452,9 @@ async def _dispatch(args: argparse.Namespace, req: object) -> int:
     async with connect(args.handshake_address, launch=launch, config=config, runtime=args.runtime) as client:
         samples = _translate(args, req, client.max_model_len, client.engine_index)
         builders = [t.response_builder() for t in samples]
-        async with generate_parallel(client, [t.request for t in samples]) as stream:
+        deadlines = Deadlines(first_token=args.first_token_timeout, total=args.total_timeout,
+                              stall=args.stall_timeout)
+        async with generate_parallel(client, [t.request for t in samples], deadlines=deadlines) as stream:
             async for index, delta in stream:
                 builder = builders[index]
                 for resp in builder.feed(delta):
@@ -508,6 +523,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("generate", "mock-engine"):
+        # The wait for an engine started elsewhere (or by --launch) is said at
+        # any level; the embedded mock answers within a second or fails.
+        _cli_logging.configure(args.log_level, announce_waits=args.command == "generate" and (
+            args.handshake_address is not None or args.launch is not None))
     if args.command == "bench":
         return bench_harness.main(args)
     if args.command == "mock-engine":
@@ -515,6 +535,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.handshake_address is not None:
             check_address(args.handshake_address, role="--handshake-address", any_port=False)
+        Deadlines(first_token=args.first_token_timeout, total=args.total_timeout, stall=args.stall_timeout)
         req = _load_request(args)
         args.tokenizer_obj = _load_tokenizer(args.tokenizer)
         # Checks that need no engine first, so a bad request fails before one starts.

@@ -59,6 +59,8 @@ from .errors import (
     UtilityCallTimeout,
 )
 from .protocol import control
+from .metrics import EngineStats
+from .protocol.deadlines import Deadlines, DeadlineScheduler, TimedMailbox, effective_deadlines
 from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
 from .protocol.runtime import Runtime
 from .protocol.versions import EngineVersion, check_engine_version
@@ -69,7 +71,7 @@ __all__ = ["ClientConfig", "EngineClient", "EngineSession", "LoRARequest", "Requ
 
 LoRARequest = control.LoRARequest
 
-_handshake_log = logging.getLogger("zmqdispatch.handshake")
+_log = logging.getLogger("zmqdispatch.client")
 
 
 def _check_bind_address(_: object, attribute: attrs.Attribute, value: str | None) -> None:
@@ -123,7 +125,7 @@ class ClientConfig:
         allow_unknown_engine_version: connect to an engine whose reported
             version the wire codec was not checked against (known: vLLM 0.32.x
             and 0.33.x, TokenSpeed 0.1.1; :mod:`zmqdispatch.protocol.versions`),
-            logging a WARNING on the ``zmqdispatch.handshake`` logger. Off by
+            logging a WARNING on the ``zmqdispatch.client`` logger. Off by
             default: such an engine fails the handshake with
             ``EngineHandshakeError``, since a changed positional layout would
             be misread without any decode error.
@@ -212,6 +214,8 @@ class RequestStream:
         DuplicateRequestIdError: (entering) the ``request_id`` is live.
         RequestRejected: (entering) the request passed validation but could
             not be encoded for the wire (nothing was sent).
+        DeadlineExceeded: the request went past one of its ``deadlines``
+            (it was aborted on the engine).
         EngineDeadError: the engine died (every open stream gets one).
         EngineRequestError: the engine finished the request with an error.
         SlowConsumerError: the consumer fell behind ``max_pending_tokens``.
@@ -223,13 +227,14 @@ class RequestStream:
 
     __slots__ = (
         "_client", "request_id", "_request", "_mailbox", "_eof", "_closed", "_entered", "_receiving", "_task",
-        "_waker", "_aborter",
+        "_waker", "_aborter", "_deadlines",
     )
 
-    def __init__(self, client: EngineClient, request_id: str, request: Any) -> None:
+    def __init__(self, client: EngineClient, request_id: str, request: Any, deadlines: Deadlines | None = None) -> None:
         self._client = client
         self.request_id = request_id
         self._request = request  # validated; submitted by __aenter__
+        self._deadlines = deadlines
         self._mailbox: Mailbox | None = None
         self._eof = False  # the final delta was handed to the consumer
         self._closed = False  # aborted / exited before the final delta
@@ -285,9 +290,8 @@ class RequestStream:
         fan-out calls it for every sample first, so their ADDs go out in order
         and together). Idempotent."""
         if self._mailbox is None and not self._closed:
-            self._mailbox, _add = self._client._protocol.submit(self._request)
+            self._mailbox = self._client._queue_request(self._request, self._deadlines)
             self._request = None
-            self._client._note_submit()
 
     async def __aexit__(self, *exc: object) -> None:
         self.abort()
@@ -448,6 +452,8 @@ class EngineClient:
         # _await_output_link's wait: cancelled by a new output link, a death sign or a death
         self._link_wait: trio.CancelScope | None = None
         self.stray_output_connections = 0  # closed before their ZMTP handshake
+        # per-request deadlines: one heap, one task (_deadline_watch)
+        self._deadlines = DeadlineScheduler()
 
     def __repr__(self) -> str:
         p = self._protocol
@@ -532,13 +538,17 @@ class EngineClient:
             max_logprobs=self.config.max_logprobs,
         )
 
-    def generate(self, request: Any) -> RequestStream:
+    def generate(self, request: Any, *, deadlines: Deadlines | None = None) -> RequestStream:
         """Validate and submit *request*; return its stream (use ``async with``).
 
         Args:
             request: a ``wire.vllm.EngineCoreRequest`` for a vLLM engine, a
                 ``wire.tokenspeed.TokenizedGenerateReqInput`` for TokenSpeed
                 (see :attr:`runtime`; :mod:`zmqdispatch.translate` builds both).
+            deadlines: optional time limits (:class:`~zmqdispatch.Deadlines`:
+                first token, total, stall between tokens), counted from
+                entering the stream; past one the request is aborted on the
+                engine and the stream raises ``DeadlineExceeded``.
 
         Synchronous: validates now; entering the stream (``async with``)
         queues the ADD and waits until the socket accepted it, so a stream
@@ -546,24 +556,38 @@ class EngineClient:
 
         Raises:
             RuntimeMismatchError: the request is for the other runtime.
-            RequestRejected: the request fails validation (nothing is sent).
+            RequestRejected: the request fails validation, or ``deadlines`` is
+                not a ``Deadlines`` (nothing is sent).
             DuplicateRequestIdError: the ``request_id`` is live (checked again
                 on entering).
             EngineDeadError: the engine is dead or the client closed.
         """
         self.check_request(request)
+        deadlines = effective_deadlines(deadlines)
         p = self._protocol
         p.check_alive()
         rid = self.runtime.request_id(request)
         p.check_request_id(rid)
-        return RequestStream(self, rid, request)
+        return RequestStream(self, rid, request, deadlines)
 
-    def _submit(self, request: Any) -> tuple[Mailbox, Outgoing]:
+    def _submit(self, request: Any, deadlines: Deadlines | None = None) -> tuple[Mailbox, Outgoing]:
         """Validate and queue *request* now; its mailbox and ADD (StreamGroup, fan-out)."""
         self.check_request(request)
-        mailbox_add = self._protocol.submit(request)
+        mailbox = self._queue_request(request, effective_deadlines(deadlines))
+        return mailbox, mailbox.add
+
+    def _queue_request(self, request: Any, deadlines: Deadlines | None) -> Mailbox:
+        """Register *request* (validated) and queue its ADD; start its
+        *deadlines* (from :func:`effective_deadlines`)."""
+        p = self._protocol
+        if deadlines is None:
+            mailbox, _add = p.submit(request)
+        else:
+            timed = TimedMailbox(self.runtime.request_id(request), p.max_pending_tokens, p, deadlines)
+            mailbox, _add = p.submit(request, timed)
+            self._deadlines.add(timed, trio.current_time(), p.inflight)
         self._note_submit()
-        return mailbox_add
+        return mailbox
 
     def _note_submit(self) -> None:
         # The silence watchdog measures from the first request in flight.
@@ -573,6 +597,12 @@ class EngineClient:
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""
         self._protocol.abort(request_ids)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of this engine link's counters and latency histograms
+        (:class:`zmqdispatch.metrics.EngineStats`; names and meaning in
+        ``docs/operations.md``). Cheap (copies a few dicts and two lists)."""
+        return EngineStats.of(self)
 
     async def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call ``EngineCore.<method>(*args)`` on the engine and return its result.
@@ -733,6 +763,8 @@ class EngineClient:
         the outputs themselves did (a sentinel)."""
         p = self._protocol
         if p.state is LinkState.READY and p.gone is None:
+            _log.info("engine %d gone (%s): %s; routing the outputs it sent before (drain, at most %s s)",
+                      self.engine_index, reason, message, limits.OUTPUT_DROP_GRACE)
             p.engine_gone(EngineDeadError(message, engine_index=self.engine_index, reason=reason))
             self._ending.set()
             self._wake_link_wait()
@@ -745,16 +777,17 @@ class EngineClient:
 
     def _route(self, batch: list[list[bytes]]) -> None:
         p = self._protocol
+        now = self._last_activity  # the batch's receipt time (set by the caller)
         if self.config.pause_gc_while_routing and gc.isenabled():
             gc.disable()
             try:
                 for frames in batch:
-                    p.frames_received(frames)
+                    p.frames_received(frames, now)
             finally:
                 gc.enable()
         else:
             for frames in batch:
-                p.frames_received(frames)
+                p.frames_received(frames, now)
 
     async def _route_queued(self) -> None:
         """Route every output message already queued on the socket."""
@@ -783,6 +816,8 @@ class EngineClient:
                 self._last_activity = trio.current_time()
                 self._route(batch)
         await self._route_queued()
+        _log.info("engine %d: drain done (%d output messages received in all)", self.engine_index,
+                  p.messages_received)
         if p.state is LinkState.READY:
             p.engine_died(p.gone)
 
@@ -914,6 +949,8 @@ class EngineClient:
                 elif event == zmq.EVENT_DISCONNECTED:
                     if stray:
                         self.stray_output_connections += 1
+                        _log.info("engine %d: a connection to the output socket (%s) failed its ZMTP handshake "
+                                  "and was ignored", self.engine_index, endpoint)
                     elif not self._closing:
                         self._output_links = max(0, self._output_links - 1)
                         self._output_dropped = endpoint or "?"
@@ -970,8 +1007,30 @@ class EngineClient:
     async def _process_watch(self) -> None:
         assert self._process is not None
         code = await self._process.wait()
+        _log.info("engine %d: launched engine process %d exited with code %s", self.engine_index,
+                  self._process.pid, code)
         if not self._closing:
             self._death_sign("process_exit", f"engine process {self._process.pid} exited with code {code}")
+
+    async def _deadline_watch(self) -> None:
+        """The one task that enforces every request's deadlines: sleeps until
+        the earliest one (``DeadlineScheduler``), fails and aborts the requests
+        past theirs."""
+        d = self._deadlines
+        p = self._protocol
+        while p.state is LinkState.READY:
+            when = d.next_deadline()
+            if when is None or when > trio.current_time():
+                # Woken by an earlier deadline (DeadlineScheduler.waiter), or at `when`.
+                with trio.move_on_at(math.inf if when is None else when):
+                    await _park(d)
+                continue
+            expired = d.pop_expired(trio.current_time())
+            for mailbox, exc in expired:
+                _log.warning("engine %d: %s", self.engine_index, exc)
+                p.stats.deadlines_exceeded[exc.limit] = p.stats.deadlines_exceeded.get(exc.limit, 0) + 1
+                p.abort_mailbox(mailbox, exc)
+            await trio.lowlevel.checkpoint()
 
     def _flush_aborts_nowait(self) -> None:
         """At shutdown: hand the pending ABORT frame to the socket without
@@ -1069,6 +1128,7 @@ async def _terminate(proc: trio.Process, grace: float) -> None:
 async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
     with trio.CancelScope(shield=True):
         if proc.returncode is None:
+            _log.info("stopping launched engine process %d (SIGTERM, SIGKILL after %s s)", proc.pid, grace)
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
                 os.killpg(proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) engine acts on it only once resumed
@@ -1080,6 +1140,7 @@ async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
         _kill_group(proc)
         with trio.move_on_after(2):
             await proc.wait()
+        _log.info("launched engine process %d exited with code %s", proc.pid, proc.returncode)
 
 
 async def _handshake(
@@ -1126,6 +1187,8 @@ async def _handshake(
                 if "identity" in result:
                     raise EngineHandshakeError(f"second HELLO (identity {identity.hex()}) during the handshake")
                 result["identity"] = identity
+                _log.info("handshake: HELLO from engine identity %s (%s); sending INIT (input %s, output %s)",
+                          identity.hex(), "local" if status.local else "remote", input_address, output_address)
                 try:
                     await hs.send([identity, wire.encode_init(inputs=[input_address], outputs=[output_address])])
                 except PeerUnreachable:
@@ -1137,6 +1200,7 @@ async def _handshake(
                 if result.get("identity") != identity:
                     raise EngineHandshakeError(f"READY from identity {identity.hex()} before its HELLO")
                 result["ready_status"] = status
+                _log.info("handshake: READY from engine identity %s", identity.hex())
                 if "ready" in result:
                     complete.set()
                 return
@@ -1155,6 +1219,7 @@ async def _handshake(
             result["ready"] = wire.decode_ready_response(payload)
         except RemoteProtocolError as exc:
             raise EngineHandshakeError(f"bad EngineCoreReadyResponse: {exc}") from exc
+        _log.info("handshake: ready response from engine identity %s on the input socket", identity.hex())
         if "ready_status" in result:
             complete.set()
 
@@ -1199,6 +1264,7 @@ async def _handshake(
 
                 nursery.start_soon(both)
     except trio.TooSlowError:
+        _log.warning("handshake: timed out after %s s waiting for %s", timeout, stage())
         raise EngineHandshakeTimeout(
             f"engine handshake timed out after {timeout} s waiting for {stage()}", stage=stage()
         ) from None
@@ -1216,7 +1282,7 @@ def _check_version(ready: wire.EngineCoreReadyResponse, config: ClientConfig) ->
     except ValueError as exc:
         raise EngineHandshakeError(str(exc)) from None
     if not version.known:
-        _handshake_log.warning("%s; connecting anyway (allow_unknown_engine_version)", version.unknown_message())
+        _log.warning("%s; connecting anyway (allow_unknown_engine_version)", version.unknown_message())
     return version
 
 
@@ -1366,6 +1432,11 @@ async def connect(
                 raise ValueError("resume= re-attaches to a running engine: no launch or handshake address")
             input_address = await bind(inp, resume.input_address, "resume.input_address")
             output_address = await bind(out, resume.output_address, "resume.output_address")
+            _log.info(
+                "resuming engine identity %s: bound input %s, output %s; waiting for it to reconnect, timeout %s s "
+                "(%d orphan ids to abort)", resume.identity.hex(), input_address, output_address,
+                config.handshake_timeout, len(resume.orphan_ids), extra={"zmqdispatch_wait": True},
+            )
             await _await_reconnect(monitor, config.handshake_timeout, peer_fds)
             identity, ready = resume.identity, resume.ready
         else:
@@ -1375,6 +1446,7 @@ async def connect(
                 # Created before bind: the handshake sees the engine's handshake connection close.
                 hs_monitor = hs.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, name="handshake-monitor")
             hs_address = await bind(hs, handshake_address or ipc("handshake.sock"), "handshake_address")
+            _log.info("bound handshake %s, input %s, output %s", hs_address, input_address, output_address)
             if launch is not None:
                 argv = _format_launch(launch, hs_address)
                 try:
@@ -1390,6 +1462,9 @@ async def connect(
                     )
                 except OSError as exc:
                     raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+                _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
+            _log.info("waiting for an engine at %s, timeout %s s", hs_address, config.handshake_timeout,
+                      extra={"zmqdispatch_wait": True})
             identity, ready = await _handshake(
                 hs,
                 inp,
@@ -1412,6 +1487,12 @@ async def connect(
             max_pending_tokens=config.max_pending_tokens,
             max_decode_errors=config.max_decode_errors,
             runtime=Runtime.resolve(runtime, ready),
+            timer=trio.current_time,
+        )
+        _log.info(
+            "engine %d %s (identity %s): %s, version %s, max_model_len %d, data_parallel_rank %s",
+            engine_index, "resumed" if resume is not None else "ready", identity.hex(), protocol.runtime.value,
+            ready.vllm_version, ready.max_model_len, ready.data_parallel_rank,
         )
         if resume is not None:
             protocol.abort_stale(resume.orphan_ids)  # before any ADD of ours
@@ -1441,10 +1522,14 @@ async def connect(
                 if monitor is not None:
                     nursery.start_soon(client._monitor_watch)
                 nursery.start_soon(client._output_monitor_watch)
+                nursery.start_soon(client._deadline_watch)
                 try:
                     yield client
                 finally:
                     client._closing = True
+                    if protocol.state is LinkState.READY:
+                        _log.info("closing the client of engine %d (%d live requests aborted)", engine_index,
+                                  protocol.inflight)
                     # Streams still open (held by other tasks) would otherwise
                     # keep decoding on an engine we did not start
                     # (docs/known-failures.md K7).

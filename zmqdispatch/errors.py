@@ -37,6 +37,7 @@ __all__ = [
     "EngineAbortedRequest",
     "SlowConsumerError",
     "RequestStreamClosed",
+    "DeadlineExceeded",
     "EngineError",
     "EngineDeadError",
     "EngineHandshakeError",
@@ -193,6 +194,24 @@ class RequestStreamClosed(RequestError):
     A stream never ends "cleanly" without a terminal output: truncation is
     always this error (``docs/reference-gateway-lessons.md`` lesson 11a).
     """
+
+
+class DeadlineExceeded(RequestError, TimeoutError):
+    """The request went past one of its :class:`~zmqdispatch.protocol.deadlines.Deadlines`;
+    it was aborted on the engine (its stream raises this after the tokens it
+    had received).
+
+    Attributes:
+        limit: ``"first_token"``, ``"total"`` or ``"stall"``.
+        seconds: the limit's value.
+        elapsed: seconds since the request was submitted.
+    """
+
+    def __init__(self, message: str, *, request_id: str = "", limit: str, seconds: float, elapsed: float) -> None:
+        super().__init__(message, request_id=request_id)
+        self.limit = limit
+        self.seconds = seconds
+        self.elapsed = elapsed
 
 
 # --------------------------------------------------------------------------- engine

@@ -38,6 +38,7 @@ import trio
 
 from .client import EngineClient, RequestStream, _unwrap
 from .errors import DuplicateRequestIdError, RequestRejected, RequestStreamClosed
+from .protocol.deadlines import Deadlines
 from .protocol.mailbox import OutputDelta
 
 __all__ = ["ParallelStream", "generate_parallel"]
@@ -166,7 +167,7 @@ class ParallelStream:
 
 @asynccontextmanager
 async def generate_parallel(
-    client: EngineClient, requests: Sequence[Any]
+    client: EngineClient, requests: Sequence[Any], *, deadlines: Deadlines | None = None
 ) -> AsyncIterator[ParallelStream]:
     """Submit the samples of one parent and merge their streams.
 
@@ -175,6 +176,9 @@ async def generate_parallel(
         requests: the ``n`` single-sample requests, in index order, of the
             client's runtime (from :func:`zmqdispatch.translate.vllm.translate_parallel`
             or :func:`zmqdispatch.translate.tokenspeed.translate_parallel`).
+        deadlines: time limits applied to every sample
+            (:class:`~zmqdispatch.Deadlines`); a sample past one fails the
+            parent with ``DeadlineExceeded`` like any failing sample.
 
     Raises:
         RequestRejected: ``requests`` is empty (n = 0), or one fails validation
@@ -205,7 +209,7 @@ async def generate_parallel(
     streams: list[RequestStream] = []
     try:
         for r in requests:
-            stream = client.generate(r)
+            stream = client.generate(r, deadlines=deadlines)
             stream._queue()  # every sample's ADD now, in order (entering would queue them as tasks start)
             streams.append(stream)
     except BaseException:

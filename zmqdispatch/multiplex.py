@@ -42,6 +42,7 @@ import trio
 
 from .client import EngineClient
 from .errors import DuplicateRequestIdError, LocalProtocolError
+from .protocol.deadlines import Deadlines
 from .protocol.mailbox import Mailbox, OutputDelta
 
 __all__ = ["StreamGroup", "open_stream_group"]
@@ -104,8 +105,11 @@ class StreamGroup:
         self._task = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    def generate(self, request: Any) -> str:
+    def generate(self, request: Any, *, deadlines: Deadlines | None = None) -> str:
         """Validate and submit *request* (synchronous, from any task); return its id.
+
+        *deadlines* (:class:`~zmqdispatch.Deadlines`): past one, the request
+        is aborted on the engine and its terminal item is ``DeadlineExceeded``.
 
         Raises: what :meth:`EngineClient.generate` raises (``RequestRejected``,
         ``RuntimeMismatchError``, ``DuplicateRequestIdError``, ``EngineDeadError``);
@@ -126,7 +130,7 @@ class StreamGroup:
                 request_id=rid,
                 field="request_id",
             )
-        mailbox, _add = self.client._submit(request)
+        mailbox, _add = self.client._submit(request, deadlines)
         member = _Member(self, mailbox.request_id, mailbox)
         self._members[member.request_id] = member
         mailbox.waiter = member.hook

@@ -365,9 +365,9 @@ async def test_gc_is_paused_only_while_a_batch_is_routed(
         async with fake_pair(pause_gc_while_routing=pause) as (engine, client):
             routed = client.protocol.frames_received
 
-            def spy(frames: list[bytes]) -> None:
+            def spy(frames: list[bytes], *args: object) -> None:
                 seen.append(gc.isenabled())
-                routed(frames)
+                routed(frames, *args)
 
             client.protocol.frames_received = spy
             (gc.enable if enabled_before else gc.disable)()

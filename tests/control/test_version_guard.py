@@ -110,12 +110,12 @@ async def test_unknown_tokenspeed_version_fails_the_handshake():
 
 
 async def test_opt_in_connects_with_a_warning(caplog):
-    caplog.set_level(logging.WARNING, logger="zmqdispatch.handshake")
+    caplog.set_level(logging.WARNING, logger="zmqdispatch.client")
     with trio.fail_after(GUARD):
         async with _engine_reporting("0.34.0", allow_unknown_engine_version=True) as client:
             assert client.engine_version.release == (0, 34, 0)
             assert client.engine_version.known is False
-    records = [r for r in caplog.records if r.name == "zmqdispatch.handshake"]
+    records = [r for r in caplog.records if r.name == "zmqdispatch.client"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     assert "'0.34.0'" in records[0].getMessage()
 

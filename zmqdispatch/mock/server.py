@@ -39,6 +39,7 @@ Faults (``--fault KIND[:N]``, repeatable), for the failure tests:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -56,6 +57,8 @@ from ..wire import vllm as wire
 from .core import FatalEngineError, MockEngineCore
 from .dial import EngineSockets, dial
 from .tokenspeed_core import MockTokenSpeedScheduler
+
+_log = logging.getLogger("zmqdispatch.mock")
 
 __all__ = [
     "MockEngineConfig",
@@ -165,6 +168,8 @@ class _EngineLoop:
         next_step = trio.current_time()
         while True:
             if self.fatal is not None:
+                _log.warning("%s %d: fatal error, sending ENGINE_CORE_DEAD and exiting: %s", self.label,
+                             cfg.engine_index, self.fatal)
                 await out.send([self.sentinel])
                 print(f"{self.label} {cfg.engine_index}: fatal: {self.fatal}", file=sys.stderr)
                 out.close(linger_ms=4000)
@@ -188,6 +193,8 @@ class _EngineLoop:
                 self.fatal = "fault injection: sentinel"
                 continue
             if exit_at is not None and self.steps > exit_at:
+                _log.warning("%s %d: fault exit:%d: exiting at step %d", self.label, cfg.engine_index, exit_at,
+                             self.steps)
                 _exit(self, 1)
             frames = self._step_frames()
             if frames is None or (silent_at is not None and self.steps > silent_at):
@@ -237,7 +244,11 @@ class _MockEngine(_EngineLoop):
             try:
                 if kind == wire.RequestType.ADD:
                     req = wire.decode_request(frames[1:])
+                    _log.debug("mock engine %d: ADD %r", self.cfg.engine_index, req.request_id)
                     if _input_thread_would_die(req):
+                        _log.warning("mock engine %d: request %r fails vLLM's input checks: the input reader "
+                                     "stops, as the real engine's input thread dies", self.cfg.engine_index,
+                                     req.request_id)
                         return
                     adds += 1
                     try:
@@ -252,7 +263,9 @@ class _MockEngine(_EngineLoop):
                     if stop_after is not None and adds >= stop_after:
                         await trio.sleep_forever()
                 elif kind == wire.RequestType.ABORT:
-                    self.core.abort(wire.decode_abort(payload))
+                    ids = wire.decode_abort(payload)
+                    _log.debug("mock engine %d: ABORT %s", self.cfg.engine_index, list(ids))
+                    self.core.abort(ids)
                 elif kind == wire.RequestType.UTILITY:
                     call = wire.decode_utility_call(payload)
                     result, failure = self.core.utility(call.method, tuple(call.args))
@@ -399,6 +412,8 @@ async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False,
     )
     engine = _TokenSpeedMockEngine(cfg, socks) if tokenspeed else _MockEngine(cfg, socks)
     engine.in_process = in_process
+    _log.info("%s %d: handshake with %s done (pid %d, faults %s)", engine.label, cfg.engine_index,
+              cfg.handshake_address, os.getpid(), list(cfg.faults) or "none")
     return engine
 
 
@@ -458,6 +473,8 @@ async def serve_mock_engine(
                 assert monitor is not None
                 while True:
                     await _client_left(monitor)
+                    _log.info("mock engine %d: the client's input connection closed; waiting for it to come back "
+                              "or for a new client's handshake", cfg.engine_index)
                     async with trio.open_nursery() as race:
 
                         async def back() -> None:
@@ -474,6 +491,7 @@ async def serve_mock_engine(
                     if replacement:
                         nursery.cancel_scope.cancel()
                         break
+                    _log.info("mock engine %d: the client reconnected (a resumed session)", cfg.engine_index)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await engine.shutdown()
@@ -494,7 +512,8 @@ async def run_mock_engine(cfg: MockEngineConfig) -> int:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(serve_mock_engine, cfg)
-            async for _ in signals:
+            async for signum in signals:
+                _log.info("mock engine %d: %s, shutting down", cfg.engine_index, signal.Signals(signum).name)
                 break
             nursery.cancel_scope.cancel()
     return 0

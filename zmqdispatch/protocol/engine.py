@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -79,6 +80,7 @@ from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from .mailbox import PUT_MORE, PUT_OVERFLOW, Mailbox
 from .runtime import Runtime
+from .stats import LinkStats
 
 __all__ = ["EngineProtocol", "Outgoing", "SendState", "PendingUtilityCall", "LinkState", "Runtime"]
 
@@ -88,6 +90,11 @@ _TS_FINISH = {"stop": wire.FinishReason.STOP, "length": wire.FinishReason.LENGTH
 _ADD = bytes([wire.RequestType.ADD])
 _ABORT = bytes([wire.RequestType.ABORT])
 _UTILITY = bytes([wire.RequestType.UTILITY])
+
+_log = logging.getLogger("zmqdispatch.protocol")
+_DEBUG = logging.DEBUG
+#: bytes of an undecodable message shown (hex) in its warning
+_DECODE_ERROR_PREVIEW = 32
 
 
 class LinkState(enum.Enum):
@@ -163,6 +170,9 @@ class EngineProtocol:
         runtime: the engine dialect (:class:`Runtime`); requests must match it.
         clock: monotonic seconds (TokenSpeed's parked-abort window); injectable
             for tests.
+        timer: seconds, for submit times (statistics, deadlines); the shell
+            passes its event loop's clock. Receipt times of outputs are the
+            ``now`` argument of :meth:`frames_received`.
     """
 
     def __init__(
@@ -174,9 +184,15 @@ class EngineProtocol:
         max_decode_errors: int = limits.DEFAULT_MAX_DECODE_ERRORS,
         runtime: Runtime = Runtime.VLLM,
         clock: Callable[[], float] = time.monotonic,
+        timer: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
         self._clock = clock
+        self.timer = timer
+        #: receipt time of the output message being routed (``frames_received``)
+        self.now = 0.0
+        #: counters and latency histograms (``zmqdispatch.metrics.EngineStats``)
+        self.stats = LinkStats()
         self.engine_index = engine_index
         self.identity = identity
         self.max_pending_tokens = max_pending_tokens
@@ -331,6 +347,10 @@ class EngineProtocol:
             self._add_renamed(rid, wire_id)
         self._requests[wire_id] = mb
         self._outbox.append(out)
+        self.stats.submitted(wire_id, mb, self.timer(), len(self._requests))
+        if _log.isEnabledFor(_DEBUG):
+            _log.debug("request %r: submitted to engine %d%s", rid, self.engine_index,
+                       "" if wire_id is rid else f" as {wire_id!r}")
         self._wake_sender()
         return mb, out
 
@@ -360,6 +380,10 @@ class EngineProtocol:
             }
         renamed[request_id] = wire_id
         self.renamed_requests += 1
+        _log.warning(
+            "request %r: sent to engine %d as %r (the engine may still hold outputs or an ABORT under its id)",
+            request_id, self.engine_index, wire_id,
+        )
 
     def _held_by_engine(self, wire_id: str) -> bool:
         """May the engine still hold something under *wire_id*: a live request
@@ -403,6 +427,9 @@ class EngineProtocol:
             mb.fail(
                 error if error is not None else RequestStreamClosed(f"request {rid!r} was aborted", request_id=rid)
             )
+            self.stats.aborts += 1
+            if _log.isEnabledFor(_DEBUG):
+                _log.debug("request %r: aborted%s", rid, "" if error is None else f" ({error})")
             if mb.add.state is SendState.QUEUED:
                 mb.add.request = None
                 mb.add._settle(SendState.CANCELLED)  # never reaches the engine
@@ -430,14 +457,15 @@ class EngineProtocol:
         if len(parked) > limits.MAX_PARKED_ABORT_IDS:
             parked.popitem(last=False)
 
-    def abort_mailbox(self, mailbox: Mailbox) -> None:
-        """Abort the request that owns *mailbox*, if it is still live.
+    def abort_mailbox(self, mailbox: Mailbox, error: BaseException | None = None) -> None:
+        """Abort the request that owns *mailbox*, if it is still live (its
+        consumer gets *error*, as with :meth:`abort`).
 
         Unlike :meth:`abort` by id, a stream that outlived its request can
         never abort a newer request that reuses the id.
         """
         if self._requests.get(mailbox.wire_id) is mailbox:
-            self.abort((mailbox.request_id,))
+            self.abort((mailbox.request_id,), error)
 
     def _wake_sender(self) -> None:
         w = self.send_waiter
@@ -563,6 +591,9 @@ class EngineProtocol:
         if self.state is not LinkState.READY:
             return
         self.output_drops += 1
+        _log.warning("engine %d: %s; failing %d requests and %d utility calls", self.engine_index, message,
+                     sum(1 for e in self._requests.values() if e.add.state is not SendState.QUEUED),
+                     len(self._utility))
         woke = False
         for rid, entry in list(self._requests.items()):
             if entry.add.state is SendState.QUEUED:
@@ -608,14 +639,16 @@ class EngineProtocol:
 
     # ------------------------------------------------------------------ inbound
 
-    def frames_received(self, frames: list[bytes]) -> None:
+    def frames_received(self, frames: list[bytes], now: float | None = None) -> None:
         """Route one message from the output PULL socket. Never raises.
 
+        *now*: its receipt time on the ``timer`` clock (default: read it).
         Undecodable messages are counted; ``max_decode_errors`` in a row kill
         the link. The sentinel kills it at once.
         """
         if self.state is LinkState.DEAD:
             return
+        self.now = self.timer() if now is None else now
         self.messages_received += 1
         if wire.is_dead_sentinel(frames):
             self.engine_died(
@@ -635,6 +668,15 @@ class EngineProtocol:
             self.decode_errors += 1
             self.decode_error_streak += 1
             self.last_decode_error = exc
+            size = sum(len(f) for f in frames)
+            head = b"".join(frames)[:_DECODE_ERROR_PREVIEW] if size else b""
+            _log.warning(
+                "engine %d: undecodable output message (%d bytes in %d frames, first bytes %s%s): %s; "
+                "%d in a row (max_decode_errors=%d), %d live requests failed",
+                self.engine_index, size, len(frames), head.hex(), "..." if size > len(head) else "", exc,
+                self.decode_error_streak, self.max_decode_errors,
+                len(self._requests) if self.decode_error_streak < self.max_decode_errors else 0,
+            )
             if self.decode_error_streak >= self.max_decode_errors:
                 self.engine_died(
                     EngineDeadError(
@@ -660,6 +702,7 @@ class EngineProtocol:
         requests = self._requests
         ts = msg.timestamp
         to_abort: list[str] | None = None
+        unknown = self.unknown_outputs
         for row in msg.outputs:
             rid = row[0]
             mb = requests.get(rid)
@@ -677,7 +720,12 @@ class EngineProtocol:
             if status != PUT_MORE:
                 del requests[rid]
                 if status == PUT_OVERFLOW:
+                    self._slow_consumer(mb)
                     (to_abort := to_abort or []).append(rid)
+                else:
+                    self.stats.count_finish(mb)
+        if msg.outputs:
+            self.stats.routed(msg.outputs, len(msg.outputs) - (self.unknown_outputs - unknown), self.now)
         if msg.bad_rows:
             self.bad_rows += len(msg.bad_rows)
             unattributed = [exc for rid, exc in msg.bad_rows if rid is None]
@@ -696,6 +744,7 @@ class EngineProtocol:
                 entry = requests.pop(rid, None)
                 if entry is not None:
                     entry.finish(wire.FinishReason.ABORT)
+                    self.stats.count_finish(entry)
         if to_abort:
             for rid in to_abort:
                 self._queue_abort(rid)
@@ -720,6 +769,7 @@ class EngineProtocol:
         requests = self._requests
         to_abort: list[str] | None = None
         reasons = batch.finished_reasons
+        unknown = self.unknown_outputs
         for i, rid in enumerate(batch.rids):
             mb = requests.get(rid)
             reason = reasons[i]
@@ -773,11 +823,20 @@ class EngineProtocol:
             elif status != PUT_MORE:
                 del requests[rid]
                 if status == PUT_OVERFLOW:
+                    self._slow_consumer(mb)
                     (to_abort := to_abort or []).append(rid)
+                else:
+                    self.stats.count_finish(mb)
+        if batch.rids:
+            self.stats.routed(batch.rids, len(batch.rids) - (self.unknown_outputs - unknown), self.now)
         if to_abort:
             for rid in to_abort:
                 self._queue_abort(rid)
             self._wake_sender()
+
+    def _slow_consumer(self, mb: Mailbox) -> None:
+        self.stats.slow_consumers += 1
+        _log.warning("engine %d: %s", self.engine_index, mb.error)
 
     def _fail_requests(self, request_ids: list[str], exc: RemoteProtocolError) -> None:
         """Fail these live requests with *exc* (after tokens they already have)
@@ -818,6 +877,19 @@ class EngineProtocol:
         self._orphans = self.possibly_live_ids()  # before the tables are cleared
         self.state = LinkState.DEAD
         self.death = exc
+        deaths = self.stats.deaths
+        deaths[exc.reason] = deaths.get(exc.reason, 0) + 1
+        self.stats.forget_all()
+        lost = len(self._requests), len(self._utility)
+        if exc.reason == "closed":
+            _log.info("engine %d: link closed (%d requests and %d utility calls failed, %d possibly left running)",
+                      self.engine_index, *lost, len(self._orphans))
+        else:
+            _log.log(
+                logging.WARNING if any(lost) else logging.INFO,
+                "engine %d dead (reason %s): %s; %d requests and %d utility calls failed, %d possibly left running",
+                self.engine_index, exc.reason, exc, *lost, len(self._orphans),
+            )
         requests = self._requests
         self._requests = {}
         for rid, entry in requests.items():
