@@ -4,6 +4,7 @@ prompt that reaches ``max_model_len`` as vLLM 0.32 does."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import time
@@ -94,8 +95,18 @@ async def stop(proc: trio.Process, sig: int) -> float:
 
 
 async def tcp_listener(port: int) -> trio.SocketListener:
-    (listener,) = await trio.open_tcp_listeners(port, host="127.0.0.1")
-    return listener
+    """Listen on *port*. libzmq closes a closed socket's listener in its I/O
+    thread, after ``close()`` returned: a port a client just released may
+    still be taken for a moment, so EADDRINUSE is retried (the caller's
+    ``fail_after`` bounds it)."""
+    while True:
+        try:
+            (listener,) = await trio.open_tcp_listeners(port, host="127.0.0.1")
+            return listener
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            await trio.sleep(0.01)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
