@@ -1115,7 +1115,8 @@ def _kill_group(proc: trio.Process) -> None:
 
 
 async def _terminate(proc: trio.Process, grace: float) -> None:
-    """SIGTERM the process group, then SIGKILL after *grace* seconds. Shielded
+    """SIGTERM the engine process, then SIGKILL its whole process group once it
+    exited or after *grace* seconds. Shielded
     from cancellation; a KeyboardInterrupt (a second Ctrl-C) while waiting
     SIGKILLs the group at once, so no engine is orphaned."""
     try:
@@ -1129,8 +1130,12 @@ async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
     with trio.CancelScope(shield=True):
         if proc.returncode is None:
             _log.info("stopping launched engine process %d (SIGTERM, SIGKILL after %s s)", proc.pid, grace)
+            # SIGTERM to the engine process alone: it stops its own workers (a
+            # vLLM EngineCore whose worker was signalled too fails instead of
+            # stopping, and waits out the grace). What is left of the group is
+            # SIGKILLed below, as systemd's KillMode=mixed does.
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
                 os.killpg(proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) engine acts on it only once resumed
             except ProcessLookupError:
                 pass

@@ -256,3 +256,17 @@ async def test_sigterm_of_a_launched_engine_ends_the_stream(vllm_py, model_dir):
                     assert exc.reason in ("disconnected", "process_exit", "unreachable")
             cause = await client.wait_dead()
             assert cause.reason in ("disconnected", "process_exit")
+
+
+async def test_leaving_a_launched_engine_mid_stream_stops_it_cleanly(vllm_py, model_dir):
+    """The client stops a launched EngineCore with SIGTERM to the engine process
+    alone: vLLM then stops its own worker and exits 0. Signalling the whole
+    group kills the worker under it; the EngineCore then fails and has to be
+    SIGKILLed after ``terminate_grace``."""
+    argv = engine_argv(vllm_py, model_dir, "{handshake_address}")
+    with trio.fail_after(300):
+        async with connect(launch=argv, config=ClientConfig(handshake_timeout=240)) as client:
+            process = client._process
+            async with client.generate(make_request("t-left", prompt=[1, 2, 3], max_tokens=240)) as s:
+                await s.receive()
+    assert process.returncode == 0
