@@ -1,10 +1,10 @@
 """zmqdispatch: an LLM gateway's direct ZeroMQ transport to inference engines.
 
-Public API (vLLM v1 EngineCore wire, vLLM 0.32 / 0.33)::
+Public API (vLLM v1 EngineCore wire, vLLM 0.32 / 0.33; TokenSpeed 0.1.1)::
 
     async with zmqdispatch.connect(handshake_address, launch=...) as client:
-        request = translate.vllm.to_engine_core_request(proto_request, max_model_len=client.max_model_len)
-        async with client.generate(request) as stream:
+        t = translate.vllm.translate_request(proto_request, TranslationConfig(max_model_len=client.max_model_len))
+        async with client.generate(t.request) as stream:
             async for delta in stream:
                 ...
 

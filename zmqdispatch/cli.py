@@ -28,10 +28,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import shlex
 import signal
 import sys
 import uuid
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import trio
 from google.protobuf import json_format
@@ -129,11 +132,18 @@ class _Terminated(Exception):
     """SIGTERM arrived: the generate was cancelled and its engine stopped."""
 
 
+_ASCII_INT = re.compile(r"-?[0-9]+")
+
+
 def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    """``1,2,3`` (spaces allowed, empty = no ids); every item an ASCII integer."""
+    if not text.strip():
+        return []
+    items = [x.strip() for x in text.split(",")]
+    bad = [x for x in items if not _ASCII_INT.fullmatch(x)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (item {bad[0]!r})")
+    return [int(x) for x in items]
 
 
 def _token_id_list(text: str) -> list[int]:
@@ -177,11 +187,41 @@ def _seconds(*, zero_ok: bool) -> Callable[[str], float]:
     return parse
 
 
+#: The longest mock step interval: an hour (anything longer never steps in practice).
+_MAX_STEP_MS = 3_600_000.0
+
+
 def _finite_ms(text: str) -> float:
     value = _seconds(zero_ok=True)(text)
-    if math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be finite")
+    if not value <= _MAX_STEP_MS:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at most {_MAX_STEP_MS:.0f} ms")
     return value
+
+
+def _launch_command(text: str) -> str:
+    """An engine command line: non-empty and parseable by shell quoting rules."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a command line: {exc}") from None
+    if not argv:
+        raise argparse.ArgumentTypeError("the engine command is empty")
+    return text
+
+
+def _fault(text: str) -> str:
+    try:
+        parse_fault(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument in one stderr line (the usage is in ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 _finite_ms.__name__ = "float"
@@ -190,7 +230,7 @@ _U32 = 2**32 - 1
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zmqdispatch", description=__doc__.split("\n\n")[0],
+    parser = _Parser(prog="zmqdispatch", description=__doc__.split("\n\n")[0],
                                      formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -223,7 +263,7 @@ def _build_parser() -> argparse.ArgumentParser:
     how = eng.add_mutually_exclusive_group()
     how.add_argument("--handshake-address", metavar="ADDR",
                      help="bind here (tcp://HOST:PORT or ipc://PATH) and wait for an engine to dial in")
-    how.add_argument("--launch", metavar="CMD", help="engine command; {handshake_address} is substituted")
+    how.add_argument("--launch", type=_launch_command, metavar="CMD", help="engine command; {handshake_address} is substituted")
     eng.add_argument("--handshake-timeout", type=_seconds(zero_ok=False), default=DEFAULT_HANDSHAKE_TIMEOUT,
                      metavar="S", help="seconds for the engine's startup handshake")
     eng.add_argument("--silence-timeout", type=_seconds(zero_ok=False), default=DEFAULT_SILENCE_TIMEOUT,
@@ -279,6 +319,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="tokenspeed: run without --enable-output-logprobs (logprob requests are aborted)")
     m.add_argument(
         "--fault",
+        type=_fault,
         action="append",
         default=[],
         metavar="KIND[:N]",
@@ -291,11 +332,24 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Flags that build a request from flags (``--prompt-token-ids``): refused beside
+#: ``--request``, which carries the whole message.
+_REQUEST_FLAGS = (
+    ("--request-id", "request_id"), ("--max-tokens", "max_tokens"), ("--temperature", "temperature"),
+    ("--top-p", "top_p"), ("--top-k", "top_k"), ("--seed", "seed"), ("--stop-token-ids", "stop_token_ids"),
+    ("--stop", "stop"), ("--n", "n"),
+)
+
+
 def _load_request(args: argparse.Namespace) -> object:
     pb = _pb(args)
     if args.request is not None:
         if args.prompt_token_ids is not None:
             raise RequestRejected("use either --request or --prompt-token-ids, not both")
+        given = [flag for flag, dest in _REQUEST_FLAGS if getattr(args, dest) not in (None, [])]
+        if given:
+            raise RequestRejected(f"{', '.join(given)}: set these in the --request message instead "
+                                  "(with --request, request flags are not applied)", field="request")
         try:
             if args.request == "-":
                 text = sys.stdin.read()
@@ -312,6 +366,8 @@ def _load_request(args: argparse.Namespace) -> object:
             raise RequestRejected(
                 f"--request: not a proto-JSON {pb.GenerateRequest.DESCRIPTOR.full_name}: {exc}"
             ) from None
+        if args.no_stream:
+            req.stream = False
         return req
     if args.prompt_token_ids is None:
         raise RequestRejected("give --request FILE or --prompt-token-ids IDS")

@@ -1080,7 +1080,18 @@ def _private_ipc_dir() -> str:
 
 
 def _format_launch(launch: str | Sequence[str], handshake_address: str) -> list[str]:
-    argv = shlex.split(launch) if isinstance(launch, str) else list(launch)
+    """*launch* as an argv with ``{handshake_address}`` substituted.
+
+    Raises:
+        ValueError: an empty command, or a string that shell quoting rules
+            cannot split (an unclosed quote); the message names ``launch``.
+    """
+    try:
+        argv = shlex.split(launch) if isinstance(launch, str) else [str(a) for a in launch]
+    except ValueError as exc:
+        raise ValueError(f"launch: {launch!r} is not a command line: {exc}") from None
+    if not argv or not argv[0]:
+        raise ValueError("launch: the engine command is empty")
     return [a.replace("{handshake_address}", handshake_address) for a in argv]
 
 
@@ -1380,12 +1391,16 @@ async def connect(
             socket is created.
         AddressBindError: an address could not be bound (in use, not an
             address of this host, permission, an ipc path refused).
+        ValueError: ``launch`` is empty or not a command line (an unclosed
+            quote), before any socket is created.
 
     Cancellation: cancelling the block cancels the handshake or the pumps,
     sends queued ABORTs best-effort, closes the sockets, removes the private
     ipc directory and terminates a spawned engine.
     """
     config = config or ClientConfig()
+    if launch is not None:
+        _format_launch(launch, "")  # refuse a malformed command before anything is bound
     # Every address is checked before a socket exists (nothing to undo).
     if handshake_address is not None:
         check_address(handshake_address, role="handshake_address", any_port=launch is not None)

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 import zmqdispatch
-from zmqdispatch import LocalProtocolError
+from zmqdispatch import LocalProtocolError, connect
 from zmqdispatch.client import _terminate
 from zmqdispatch.testing.fake_engine import FakeEngine
 from zmqdispatch.wire import vllm as wire
@@ -107,3 +107,10 @@ async def test_a_second_interrupt_during_engine_shutdown_kills_the_process_group
     assert code == -signal.SIGKILL
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
+
+
+@pytest.mark.parametrize("launch", ["", "   ", [], "echo 'unterminated", [""]])
+async def test_a_malformed_launch_command_is_refused_before_anything_is_bound(launch):
+    with pytest.raises(ValueError, match="launch"):
+        async with connect("tcp://127.0.0.1:0", launch=launch):
+            pass  # pragma: no cover

@@ -212,3 +212,12 @@ def test_sigterm_stops_the_generate_and_its_launched_engine(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_no_stream_applies_to_a_request_read_from_stdin():
+    req = {"request_id": "r1", "tokenized": {"input_ids": [1, 2, 3]}, "sampling_params": {"max_tokens": 3},
+           "stream": True}
+    p = run_cli("generate", "--request", "-", "--no-stream", stdin=json.dumps(req))
+    assert p.returncode == 0, p.stderr
+    (only,) = lines(p.stdout)
+    assert len(only["complete"]["output_ids"]) == 3

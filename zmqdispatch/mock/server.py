@@ -85,9 +85,9 @@ def parse_fault(spec: str) -> tuple[str, int]:
     kind, _, n = spec.partition(":")
     if kind not in FAULT_KINDS:
         raise ValueError(f"unknown fault {kind!r}; choose from {', '.join(FAULT_KINDS)}")
+    if n and not n.isascii() or n and not n.isdigit():
+        raise ValueError(f"fault count must be a whole number >= 0, got {n!r}")
     count = int(n) if n else 0
-    if count < 0:
-        raise ValueError(f"fault count must be >= 0, got {count}")
     return kind, count
 
 
