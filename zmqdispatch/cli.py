@@ -591,6 +591,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.handshake_address is not None:
             check_address(args.handshake_address, role="--handshake-address", any_port=False)
+            if args.handshake_address.startswith("inproc://"):
+                # an engine started elsewhere is another process: inproc cannot reach it
+                raise InvalidAddressError(
+                    f"--handshake-address {args.handshake_address!r}: an engine in another process cannot dial "
+                    "inproc://; use tcp:// or ipc://", address=args.handshake_address, role="--handshake-address")
         Deadlines(first_token=args.first_token_timeout, total=args.total_timeout, stall=args.stall_timeout)
         req = _load_request(args)
         args.tokenizer_obj = _load_tokenizer(args.tokenizer)

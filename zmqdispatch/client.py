@@ -618,8 +618,11 @@ class EngineClient:
             UnsupportedByRuntimeError: a TokenSpeed engine (no utility calls).
             RemoteProtocolError: the engine's output connection dropped (the
                 reply may be lost).
+            ValueError: *timeout* is not a number of seconds >= 0 (nothing is sent).
         """
         timeout = self.config.utility_timeout if timeout is None else timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout: expected seconds >= 0 (or None for utility_timeout), got {timeout!r}")
         p = self._protocol
         call = p.start_utility(method, args)
         try:

@@ -135,7 +135,7 @@ async def test_engine_failure_is_a_utility_call_error():
     (lambda v: control.pin_lora(v, "1"), TypeError, "lora_id"),
     (lambda v: control.add_lora(v, {"lora_name": "a"}), TypeError, "LoRARequest"),
     (lambda v: control.collective_rpc(v, print), TypeError, "pickled"),
-    (lambda v: control.collective_rpc(v, "m", timeout=0), ValueError, "timeout"),
+    (lambda v: control.collective_rpc(v, "m", timeout=0), ValueError, "rpc_timeout"),
     (lambda v: control.collective_rpc(v, "m", args="ab"), TypeError, "args"),
     (lambda v: control.profile(v, True, max_iterations=0), ValueError, "max_iterations"),
     (lambda v: control.reset_prefix_cache(v, "yes"), TypeError, "reset_running_requests"),
@@ -176,3 +176,11 @@ async def test_tokenspeed_client_refuses_typed_calls():
                 await client.sleep(0)
             with pytest.raises(UnsupportedByRuntimeError, match="TokenSpeed"):
                 await client.add_lora(LoRARequest(lora_name="a", lora_int_id=1, lora_path="/p"))
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "5", True])
+async def test_a_bad_utility_timeout_is_refused_naming_it_and_nothing_is_sent(timeout):
+    async with pair() as (engine, client):
+        with pytest.raises(ValueError, match="timeout"):
+            await client.is_sleeping(timeout=timeout)
+        assert client.protocol.pending_utility_calls == 0

@@ -41,6 +41,7 @@ REJECTED = [
     (("--handshake-address", "tcp://127.0.0.1:99999", *PROMPT), ("99999", "1..65535")),
     (("--handshake-address", "tcp://127.0.0.1:0", *PROMPT), ("port 0",)),
     (("--handshake-address", "tcp://300.0.0.1:5555", *PROMPT), ("not an IPv4",)),
+    (("--handshake-address", "inproc://x", *PROMPT), ("inproc://x", "another process")),
     (("--prompt-token-ids", "1,-2,3"), ("tokenized.input_ids", "-2", "uint32")),
     (("--prompt-token-ids", "1,4294967296"), ("tokenized.input_ids", "4294967295")),
     ((*PROMPT, "--stop-token-ids=-1"), ("sampling_params.stop_token_ids", "uint32")),

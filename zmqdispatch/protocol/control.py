@@ -398,7 +398,7 @@ def collective_rpc(
     _check_str("method", method)
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout: expected seconds > 0 or None, got {timeout!r}")
+            raise ValueError(f"rpc_timeout: expected seconds > 0 or None, got {timeout!r}")
         timeout = float(timeout)
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(f"args: expected a sequence, got {type(args).__name__}")
