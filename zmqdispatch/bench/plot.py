@@ -110,7 +110,7 @@ def plot_real(doc: dict[str, Any], path: Path | str) -> Path:
             ax.bar(xs, heights, width, color=color, alpha=0.8, label=_LABEL.get(client, client))
         ax.set_xticks(range(len(topologies)))
         ax.set_xticklabels([{"launched": "engine in the client's session",
-                             "service": "engine in its own session"}.get(t, t) for t in topologies], fontsize=8)
+                             "service": "engine in a session of its own"}.get(t, t) for t in topologies], fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)

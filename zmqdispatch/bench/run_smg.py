@@ -6,7 +6,7 @@ starts ``smg launch --backend vllm --worker-urls ipc://PATH`` on loopback: SMG
 binds the engine's handshake on ``tcp://127.0.0.1:<port derived from PATH>``
 (:func:`_common.smg_handshake_port`) and data-plane sockets next to PATH; the
 engine, ``scripts/real_vllm/engine.py --headless``, dials that port. Either
-this runner starts the engine in its own session (``--topology launched``,
+this runner starts the engine in the runner's session (``--topology launched``,
 as ``connect(launch=...)`` does for zmqdispatch) or ``zmqdispatch bench``
 started it apart, in a session of its own (``--topology service``; it passes
 the same ``--worker-url``).
