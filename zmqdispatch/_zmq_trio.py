@@ -33,7 +33,7 @@ from __future__ import annotations
 import errno
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 import zmq
@@ -158,12 +158,7 @@ class TrioSocket:
                 this host, no permission, missing ipc directory), with the errno.
             InvalidAddressError: libzmq refused its form.
         """
-        if address.startswith("tcp://["):
-            self._sock.setsockopt(zmq.IPV6, 1)
-        try:
-            self._sock.bind(address)
-        except zmq.ZMQError as exc:
-            raise _address_error(exc, address, role or self.name, "bind") from None
+        self._endpoint(self._sock.bind, address, role, "bind")
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, address: str, *, role: str = "") -> None:
@@ -172,12 +167,17 @@ class TrioSocket:
         Raises:
             InvalidAddressError: libzmq refused the address's form.
         """
+        self._endpoint(self._sock.connect, address, role, "connect to")
+
+    def _endpoint(self, op: Callable[[str], object], address: str, role: str, verb: str) -> None:
+        """Run ``bind`` / ``connect`` (*op*) on *address*, IPv6 enabled for a
+        bracketed host; a ZMQError becomes the typed address error."""
         if address.startswith("tcp://["):
             self._sock.setsockopt(zmq.IPV6, 1)
         try:
-            self._sock.connect(address)
+            op(address)
         except zmq.ZMQError as exc:
-            raise _address_error(exc, address, role or self.name, "connect to") from None
+            raise _address_error(exc, address, role or self.name, verb) from None
 
     # ------------------------------------------------------------- receive
 
