@@ -263,3 +263,12 @@ def test_a_dead_link_leaves_nothing_to_expire():
     timed(p, "a", sched, 0.0, total=1.0)
     p.engine_died(EngineDeadError("gone", engine_index=0, reason="sentinel"))
     assert sched.pop_expired(5.0) == []
+
+
+def test_the_decode_error_preview_spans_frames_and_stops_at_its_length():
+    from zmqdispatch.protocol.engine import _preview
+
+    assert _preview([b"ab", b"", b"cdef", b"gh"], 5) == b"abcde"
+    assert _preview([b"ab"], 5) == b"ab"
+    assert _preview([], 5) == b""
+    assert _preview([b"x" * 10_000_000, b"never read"], 32) == b"x" * 32

@@ -97,6 +97,17 @@ _DEBUG = logging.DEBUG
 _DECODE_ERROR_PREVIEW = 32
 
 
+def _preview(frames: list[bytes], n: int) -> bytes:
+    """The first *n* bytes of the concatenated *frames*, without joining them all
+    (an undecodable message can be megabytes)."""
+    head = bytearray()
+    for f in frames:
+        head += f[: n - len(head)]
+        if len(head) >= n:
+            break
+    return bytes(head)
+
+
 class LinkState(enum.Enum):
     """Lifecycle of an engine link after the handshake."""
 
@@ -669,7 +680,7 @@ class EngineProtocol:
             self.decode_error_streak += 1
             self.last_decode_error = exc
             size = sum(len(f) for f in frames)
-            head = b"".join(frames)[:_DECODE_ERROR_PREVIEW] if size else b""
+            head = _preview(frames, _DECODE_ERROR_PREVIEW)
             _log.warning(
                 "engine %d: undecodable output message (%d bytes in %d frames, first bytes %s%s): %s; "
                 "%d in a row (max_decode_errors=%d), %d live requests failed",
