@@ -302,8 +302,16 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--log-level", choices=_cli_logging.LOG_LEVELS, default="warning",
                    help="log records of the zmqdispatch loggers on stderr")
     m.add_argument("--runtime", choices=RUNTIMES, default="vllm", help="which engine to imitate")
-    m.add_argument("--engine-index", type=_bounded_int(0, 2**16 - 1), default=0,
-                   help="DP rank (its 2-byte identity)")
+    m.add_argument("--engine-index", type=_bounded_int(0, 2**16 - 1),
+                   help="DP rank (its 2-byte identity) of a one-rank mock; default 0")
+    dp = m.add_argument_group("data parallel (as vllm serve: one independent engine per rank, all dialing ADDR)")
+    dp.add_argument("--data-parallel-size", type=_bounded_int(1, 2**16), metavar="N",
+                    help="ranks in the whole DP group; this process runs all of them unless told otherwise; "
+                         "default 1")
+    dp.add_argument("--data-parallel-size-local", type=_bounded_int(1, 2**16), metavar="L",
+                    help="ranks this process runs; default: every rank from the start rank on")
+    dp.add_argument("--data-parallel-start-rank", type=_bounded_int(0, 2**16 - 1), metavar="S",
+                    help="the first rank this process runs (its ranks: S..S+L-1); default 0")
     m.add_argument("--max-model-len", type=_bounded_int(1, 2**31 - 1), default=4096,
                    help="context length; a prompt this long or longer kills the vLLM mock, as vLLM 0.32")
     m.add_argument("--vocab-size", type=_bounded_int(1, _U32 + 1), default=32_000,
@@ -631,9 +639,15 @@ def _mock_engine(args: argparse.Namespace) -> int:
         faults = tuple(parse_fault(f) for f in args.fault)
     except ValueError as exc:  # InvalidAddressError is one
         return _fail(EXIT_REJECTED, str(exc))
+    try:
+        start_rank, size_local, size = _mock_ranks(args)
+    except ValueError as exc:
+        return _fail(EXIT_REJECTED, str(exc))
     cfg = MockEngineConfig(
         handshake_address=args.handshake_address,
-        engine_index=args.engine_index,
+        engine_index=start_rank,
+        data_parallel_size_local=size_local,
+        data_parallel_size=size,
         max_model_len=args.max_model_len,
         vocab_size=args.vocab_size,
         step_interval=args.step_interval_ms / 1000.0,
@@ -649,6 +663,38 @@ def _mock_engine(args: argparse.Namespace) -> int:
         return run_mock_main(cfg)
     except InvalidAddressError as exc:  # an INIT naming an address we cannot dial
         return _fail(EXIT_REJECTED, str(exc))
+
+
+_DP_FLAGS = (("--data-parallel-size", "data_parallel_size"), ("--data-parallel-size-local", "data_parallel_size_local"),
+             ("--data-parallel-start-rank", "data_parallel_start_rank"))
+
+
+def _mock_ranks(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``(start rank, ranks in this process, DP size)`` of ``mock-engine``.
+
+    Raises:
+        ValueError: ``--engine-index`` beside a ``--data-parallel-*`` flag, or
+            ranks past the DP size.
+    """
+    given = [flag for flag, dest in _DP_FLAGS if getattr(args, dest) is not None]
+    if args.engine_index is not None:
+        if given:
+            raise ValueError(f"--engine-index: not with {', '.join(given)} (the start rank is "
+                             "--data-parallel-start-rank)")
+        return args.engine_index, 1, 1  # what the ready response said before DP flags existed
+    size = args.data_parallel_size
+    if size is None:
+        if given:  # vllm serve's default size is 1: a start rank or local size alone means little
+            raise ValueError(f"{', '.join(given)}: give --data-parallel-size too")
+        return 0, 1, 1
+    start = args.data_parallel_start_rank or 0
+    if start >= size:
+        raise ValueError(f"--data-parallel-start-rank {start}: past --data-parallel-size {size} (ranks 0..{size - 1})")
+    local = args.data_parallel_size_local if args.data_parallel_size_local is not None else size - start
+    if start + local > size:
+        raise ValueError(f"--data-parallel-start-rank {start} with --data-parallel-size-local {local} runs ranks "
+                         f"{start}..{start + local - 1}, past --data-parallel-size {size} (ranks 0..{size - 1})")
+    return start, local, size
 
 
 def main_entry() -> None:

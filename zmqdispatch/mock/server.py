@@ -1,7 +1,8 @@
 """The mock engine program: a wire-faithful vLLM EngineCore or TokenSpeed stand-in.
 
 Run as ``zmqdispatch mock-engine --handshake-address ADDR [--runtime tokenspeed]``.
-It dials in exactly as vLLM's EngineCore (or TokenSpeed's scheduler) does
+Each data-parallel rank it runs (``--data-parallel-size N``: ranks 0..N-1, see
+:func:`rank_configs`) dials in exactly as vLLM's EngineCore (or TokenSpeed's scheduler) does
 (:mod:`.dial`), then runs two tasks, each owning one socket: an input reader
 (DEALER) and a stepper (PUSH) that emits one ``EngineCoreOutputs`` (TokenSpeed:
 one ``BatchTokenIDOutSlim``) per step covering every running request
@@ -39,6 +40,7 @@ Faults (``--fault KIND[:N]``, repeatable), for the failure tests:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -63,8 +65,10 @@ _log = logging.getLogger("zmqdispatch.mock")
 __all__ = [
     "MockEngineConfig",
     "parse_fault",
+    "rank_configs",
     "run_mock_engine",
     "serve_mock_engine",
+    "serve_mock_ranks",
     "start_mock_engine",
     "FAULT_KINDS",
     "RUNTIMES",
@@ -93,10 +97,21 @@ def parse_fault(spec: str) -> tuple[str, int]:
 
 @attrs.frozen(kw_only=True)
 class MockEngineConfig:
-    """Settings of one mock engine process (see ``zmqdispatch mock-engine --help``)."""
+    """Settings of one mock engine process (see ``zmqdispatch mock-engine --help``).
+
+    ``engine_index`` is the first DP rank the process runs, and
+    ``data_parallel_size_local`` how many consecutive ranks it runs (vLLM's
+    ``--data-parallel-start-rank`` / ``--data-parallel-size-local``): each rank
+    dials the one handshake address with its own 2-byte identity and is an
+    independent engine (:func:`rank_configs`). ``data_parallel_size`` is the
+    whole DP group's size; only the TokenSpeed ready response reports it (a
+    non-MoE vLLM engine runs as an independent DP=1 engine and reports 1).
+    """
 
     handshake_address: str
     engine_index: int = 0
+    data_parallel_size_local: int = 1
+    data_parallel_size: int = 1
     max_model_len: int = 4096
     vocab_size: int = 32_000
     step_interval: float = 0.001  # seconds; 0 = as fast as possible
@@ -376,6 +391,7 @@ def _ready_response(cfg: MockEngineConfig) -> wire.EngineCoreReadyResponse:
         vllm_version=f"tokenspeed-{ts.TOKENSPEED_VERSION}+zmqdispatch.mock" if tokenspeed
         else "0.32.0+zmqdispatch.mock",
         data_parallel_rank=cfg.engine_index,
+        **({"data_parallel_size": cfg.data_parallel_size} if tokenspeed else {}),
         max_num_seqs=1024,
         instance_id=f"zmqdispatch-mock-{cfg.engine_index}",
         kv_cache_size_tokens=max(1, cfg.max_model_len // 16) * 64 * 16 if tokenspeed else None,
@@ -505,13 +521,76 @@ async def serve_mock_engine(
         engine = replacement[0]
 
 
+def rank_configs(cfg: MockEngineConfig) -> list[MockEngineConfig]:
+    """One config per DP rank *cfg* runs: ranks ``engine_index`` ..
+    ``engine_index + data_parallel_size_local - 1``, each with
+    ``data_parallel_size_local`` 1 (what :func:`serve_mock_engine` serves).
+
+    Raises:
+        ValueError: ``data_parallel_size_local`` < 1, or a rank past 65535
+            (the identity is 2 bytes).
+    """
+    if cfg.data_parallel_size_local < 1:
+        raise ValueError(f"data_parallel_size_local must be >= 1, got {cfg.data_parallel_size_local}")
+    last = cfg.engine_index + cfg.data_parallel_size_local - 1
+    if not 0 <= cfg.engine_index <= last < 2**16:
+        raise ValueError(f"DP ranks {cfg.engine_index}..{last} do not fit a 2-byte identity (0..65535)")
+    return [attrs.evolve(cfg, engine_index=cfg.engine_index + i, data_parallel_size_local=1)
+            for i in range(cfg.data_parallel_size_local)]
+
+
+async def serve_mock_ranks(
+    cfg: MockEngineConfig,
+    *,
+    in_process: bool = False,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run every DP rank of *cfg* (:func:`rank_configs`) at once, each a
+    :func:`serve_mock_engine` of its own, as the ``EngineCore_DPn`` processes of
+    one ``vllm serve --data-parallel-size N`` are: all dial the same handshake
+    address concurrently, each with its identity, answers its own INIT with its
+    own ready response and READY, then serves on the addresses its INIT named
+    and re-dials for a new client on its own. ``task_status.started()`` is
+    called once every rank completed its first handshake.
+
+    A rank whose in-process engine "exited" ends alone; in a process, a fatal
+    error of any rank ends the whole process (as the ``vllm serve`` parent
+    tears the tree down when one engine dies). Cancellation: every rank shuts
+    down as :func:`serve_mock_engine` does.
+
+    Raises:
+        ValueError: see :func:`rank_configs`.
+        InvalidAddressError: a malformed handshake address.
+    """
+    ranks = rank_configs(cfg)
+    up = 0
+    all_up = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def rank(rank_cfg: MockEngineConfig) -> None:
+            nonlocal up
+            await nursery.start(functools.partial(serve_mock_engine, rank_cfg, in_process=in_process))
+            up += 1
+            if up == len(ranks):
+                all_up.set()
+
+        for rank_cfg in ranks:
+            nursery.start_soon(rank, rank_cfg)
+        await all_up.wait()
+        task_status.started()
+
+
 async def run_mock_engine(cfg: MockEngineConfig) -> int:
-    """Serve clients one after another (:func:`serve_mock_engine`) until
-    SIGTERM/SIGINT, in any state (before a client, during a handshake, serving,
-    between clients); return the exit code (0)."""
+    """Serve clients one after another (:func:`serve_mock_engine`; with several
+    DP ranks, :func:`serve_mock_ranks`) until SIGTERM/SIGINT, in any state
+    (before a client, during a handshake, serving, between clients); return
+    the exit code (0)."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve_mock_engine, cfg)
+            if cfg.data_parallel_size_local == 1:
+                nursery.start_soon(serve_mock_engine, cfg)
+            else:
+                nursery.start_soon(serve_mock_ranks, cfg)
             async for signum in signals:
                 _log.info("mock engine %d: %s, shutting down", cfg.engine_index, signal.Signals(signum).name)
                 break
