@@ -33,7 +33,8 @@ import shlex
 import signal
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import NoReturn
 
 import trio
@@ -43,7 +44,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from . import __version__
 from .addresses import check_address
 from . import _cli_logging
-from .client import ClientConfig, _unwrap, connect
+from . import _cli_requests
+from .client import ClientConfig, EngineClient, _unwrap, connect
 from .errors import (
     AddressBindError,
     EngineError,
@@ -248,6 +250,12 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--runtime", choices=RUNTIMES, default="vllm",
                    help="the engine's runtime; selects the request/response proto package")
     src.add_argument("--request", metavar="FILE", help="proto-JSON GenerateRequest file, or - for stdin")
+    src.add_argument("--requests", metavar="FILE",
+                     help="many requests: one proto-JSON GenerateRequest per line (- for stdin), run concurrently; "
+                          'prints {"request_id": ID, "response": GenerateResponse} lines (docs/cli.md)')
+    src.add_argument("--max-concurrency", type=_bounded_int(1), metavar="N",
+                     help="with --requests: at most N requests in flight (the others wait, deadlines not started); "
+                          "unset: all at once")
     src.add_argument("--prompt-token-ids", type=_int_list, metavar="IDS", help="e.g. 1,2,3 (builds a request)")
     src.add_argument("--request-id", help="default: a random zmqd-<hex> id")
     src.add_argument("--max-tokens", type=int, help="max_tokens (TokenSpeed: max_new_tokens); unset: the engine's rule")
@@ -349,24 +357,34 @@ _REQUEST_FLAGS = (
 )
 
 
+def _refuse_request_flags(args: argparse.Namespace, option: str) -> None:
+    """*option* (``--request`` / ``--requests``) carries whole messages: the
+    flags that build one are refused beside it, by name."""
+    if args.prompt_token_ids is not None:
+        raise RequestRejected(f"use either {option} or --prompt-token-ids, not both")
+    given = [flag for flag, dest in _REQUEST_FLAGS if getattr(args, dest) not in (None, [])]
+    if given:
+        raise RequestRejected(f"{', '.join(given)}: set these in the {option} message instead "
+                              f"(with {option}, request flags are not applied)", field=option.lstrip("-"))
+
+
+def _read_input(option: str, path: str) -> str:
+    """The text of *path* (``-``: stdin), or ``RequestRejected`` naming *option*."""
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RequestRejected(f"{option} {path!r}: cannot read it: {reason}", field=option.lstrip("-")) from None
+
+
 def _load_request(args: argparse.Namespace) -> object:
     pb = _pb(args)
     if args.request is not None:
-        if args.prompt_token_ids is not None:
-            raise RequestRejected("use either --request or --prompt-token-ids, not both")
-        given = [flag for flag, dest in _REQUEST_FLAGS if getattr(args, dest) not in (None, [])]
-        if given:
-            raise RequestRejected(f"{', '.join(given)}: set these in the --request message instead "
-                                  "(with --request, request flags are not applied)", field="request")
-        try:
-            if args.request == "-":
-                text = sys.stdin.read()
-            else:
-                with open(args.request, encoding="utf-8") as f:
-                    text = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise RequestRejected(f"--request {args.request!r}: cannot read it: {reason}", field="request") from None
+        _refuse_request_flags(args, "--request")
+        text = _read_input("--request", args.request)
         req = pb.GenerateRequest()
         try:
             json_format.Parse(text, req)
@@ -473,9 +491,45 @@ def _print(resp: object) -> None:
     sys.stdout.flush()
 
 
-async def _generate(args: argparse.Namespace, req: object) -> int:
-    """Run :func:`_dispatch`; SIGTERM cancels it (so a launched engine is stopped,
-    as on SIGINT) and raises :class:`_Terminated`."""
+def _load_requests(args: argparse.Namespace) -> list[_cli_requests.RequestLine]:
+    """Every request of ``--requests``, each checked as far as it can be without
+    an engine.
+
+    Raises:
+        RequestRejected: beside request flags or ``--request``; an unreadable
+            input; any bad line (each is reported on stderr first).
+    """
+    if args.request is not None:
+        raise RequestRejected("use either --request or --requests, not both")
+    _refuse_request_flags(args, "--requests")
+    text = _read_input("--requests", args.requests)
+    runtime = Runtime(args.runtime)
+
+    def check(req: object) -> list[str]:
+        ids = []
+        for sample in _translate(args, req, 2**31 - 1, None):
+            runtime.check_request(sample.request, max_model_len=None, vocab_size=args.vocab_size,
+                                  max_logprobs=args.max_logprobs)
+            ids.append(runtime.request_id(sample.request))
+        return ids
+
+    accepted, rejected = _cli_requests.parse_requests(_cli_requests.split_lines(text), _pb(args).GenerateRequest,
+                                                      check)
+    for bad in rejected:
+        _fail(EXIT_REJECTED, f"--requests: {bad}")
+    if rejected:
+        raise RequestRejected(f"{len(rejected)} bad line(s) in --requests {args.requests!r}; nothing was sent",
+                              field="requests")
+    if args.no_stream:
+        for item in accepted:
+            item.request.stream = False
+    return accepted
+
+
+async def _generate(args: argparse.Namespace, req: object,
+                    dispatch: Callable[[argparse.Namespace, object], Awaitable[int]] | None = None) -> int:
+    """Run :func:`_dispatch` (or *dispatch*); SIGTERM cancels it (so a launched
+    engine is stopped, as on SIGINT) and raises :class:`_Terminated`."""
     terminated = False
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         try:
@@ -489,7 +543,7 @@ async def _generate(args: argparse.Namespace, req: object) -> int:
                         return
 
                 nursery.start_soon(watch)
-                code = await _dispatch(args, req)
+                code = await (dispatch or _dispatch)(args, req)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
             raise _unwrap(eg) from None  # the typed error main() reports, not a group
@@ -498,7 +552,8 @@ async def _generate(args: argparse.Namespace, req: object) -> int:
     return code
 
 
-async def _dispatch(args: argparse.Namespace, req: object) -> int:
+def _connect(args: argparse.Namespace) -> AbstractAsyncContextManager[EngineClient]:
+    """The client of ``generate``: the engine its flags name."""
     config = ClientConfig(
         handshake_timeout=args.handshake_timeout,
         silence_timeout=args.silence_timeout,
@@ -513,18 +568,39 @@ async def _dispatch(args: argparse.Namespace, req: object) -> int:
         launch = args.launch
     else:
         launch = _mock_launch_argv(args)
-    async with connect(args.handshake_address, launch=launch, config=config, runtime=args.runtime) as client:
+    return connect(args.handshake_address, launch=launch, config=config, runtime=args.runtime)
+
+
+def _deadlines(args: argparse.Namespace) -> Deadlines:
+    return Deadlines(first_token=args.first_token_timeout, total=args.total_timeout, stall=args.stall_timeout)
+
+
+async def _dispatch(args: argparse.Namespace, req: object) -> int:
+    async with _connect(args) as client:
         samples = _translate(args, req, client.max_model_len, client.engine_index)
         builders = [t.response_builder() for t in samples]
-        deadlines = Deadlines(first_token=args.first_token_timeout, total=args.total_timeout,
-                              stall=args.stall_timeout)
-        async with generate_parallel(client, [t.request for t in samples], deadlines=deadlines) as stream:
+        async with generate_parallel(client, [t.request for t in samples], deadlines=_deadlines(args)) as stream:
             async for index, delta in stream:
                 builder = builders[index]
                 for resp in builder.feed(delta):
                     _print(resp)
                 if builder.stopped_early:  # a stop string matched: stop that sample on the engine
                     stream.close_child(index)
+    return EXIT_OK
+
+
+async def _dispatch_requests(args: argparse.Namespace, requests: object) -> int:
+    """``--requests``: every request through one client; exit 3 when any failed."""
+    assert isinstance(requests, list)
+    if not requests:
+        return EXIT_OK  # nothing to run: no engine is started or waited for
+    async with _connect(args) as client:
+        failed = await _cli_requests.run_requests(
+            client, requests, lambda req, max_model_len, engine_index: _translate(args, req, max_model_len,
+                                                                                  engine_index),
+            deadlines=_deadlines(args), max_concurrency=args.max_concurrency)
+    if failed:
+        return _fail(EXIT_ENGINE, f"{failed} of {len(requests)} requests failed")
     return EXIT_OK
 
 
@@ -604,7 +680,12 @@ def _run(args: argparse.Namespace) -> int:
                 raise InvalidAddressError(
                     f"--handshake-address {args.handshake_address!r}: an engine in another process cannot dial "
                     "inproc://; use tcp:// or ipc://", address=args.handshake_address, role="--handshake-address")
-        Deadlines(first_token=args.first_token_timeout, total=args.total_timeout, stall=args.stall_timeout)
+        _deadlines(args)
+        if args.max_concurrency is not None and args.requests is None:
+            raise RequestRejected("--max-concurrency: only with --requests", field="max_concurrency")
+        if args.requests is not None:
+            args.tokenizer_obj = _load_tokenizer(args.tokenizer)
+            return trio.run(_generate, args, _load_requests(args), _dispatch_requests)
         req = _load_request(args)
         args.tokenizer_obj = _load_tokenizer(args.tokenizer)
         # Checks that need no engine first, so a bad request fails before one starts.

@@ -192,39 +192,51 @@ async def test_the_program_runs_n_ranks_and_two_processes_split_a_group(tmp_path
     address = f"ipc://{tmp_path}/hs.sock"
     with trio.fail_after(GUARD):
         # one process, ranks 0..1
-        async with front_end(str(tmp_path), address, 2) as (hs, ranks):
-            async with external_mock(address, "--data-parallel-size", "2", "--step-interval-ms", "0") as proc:
-                responses = await handshake(hs, ranks)
-                assert [responses[r].data_parallel_rank for r in (0, 1)] == [0, 1]
-                for rank in ranks.values():
-                    assert len(await serve_one(rank, "x")) == 3
-                assert proc.returncode is None
+        async with front_end(str(tmp_path), address, 2) as (hs, ranks), \
+                external_mock(address, "--data-parallel-size", "2", "--step-interval-ms", "0") as proc:
+            responses = await handshake(hs, ranks)
+            assert [responses[r].data_parallel_rank for r in (0, 1)] == [0, 1]
+            for rank in ranks.values():
+                assert len(await serve_one(rank, "x")) == 3
+            assert proc.returncode is None
         # two processes, one rank each (vllm serve's flags for one engine per container)
-        async with front_end(str(tmp_path), address, 2) as (hs, ranks):
-            split = ("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--step-interval-ms", "0")
-            async with external_mock(address, *split, "--data-parallel-start-rank", "0"), \
-                    external_mock(address, *split, "--data-parallel-start-rank", "1"):
-                responses = await handshake(hs, ranks)
-                assert [responses[r].data_parallel_rank for r in (0, 1)] == [0, 1]
-                for rank in ranks.values():
-                    assert len(await serve_one(rank, "y")) == 3
+        split = ("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--step-interval-ms", "0")
+        async with front_end(str(tmp_path), address, 2) as (hs, ranks), \
+                external_mock(address, *split, "--data-parallel-start-rank", "0"), \
+                external_mock(address, *split, "--data-parallel-start-rank", "1"):
+            responses = await handshake(hs, ranks)
+            assert [responses[r].data_parallel_rank for r in (0, 1)] == [0, 1]
+            for rank in ranks.values():
+                assert len(await serve_one(rank, "y")) == 3
 
 
 async def test_one_rank_still_works_with_the_client_through_the_dp_flags(tmp_path):
     address = f"ipc://{tmp_path}/hs.sock"
     with trio.fail_after(GUARD):
-        async with external_mock(address, "--data-parallel-size", "1", "--step-interval-ms", "0"):
-            async with connect(address, config=ClientConfig(handshake_timeout=GUARD)) as client:
-                assert client.engine_index == 0
-                async with client.generate(make_request("a", max_tokens=3)) as s:
-                    assert sum([len(d.token_ids) async for d in s]) == 3
+        async with external_mock(address, "--data-parallel-size", "1", "--step-interval-ms", "0"), \
+                connect(address, config=ClientConfig(handshake_timeout=GUARD)) as client:
+            assert client.engine_index == 0
+            async with client.generate(make_request("a", max_tokens=3)) as s:
+                assert sum([len(d.token_ids) async for d in s]) == 3
         # rank 1 alone (the second process of a split group) is a client's engine 1
         async with external_mock(address, "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-                                 "--data-parallel-start-rank", "1", "--step-interval-ms", "0"):
-            async with connect(address, config=ClientConfig(handshake_timeout=GUARD)) as client:
-                assert client.engine_index == 1
-                async with client.generate(make_request("b", max_tokens=3)) as s:
-                    assert sum([len(d.token_ids) async for d in s]) == 3
+                                 "--data-parallel-start-rank", "1", "--step-interval-ms", "0"), \
+                connect(address, config=ClientConfig(handshake_timeout=GUARD)) as client:
+            assert client.engine_index == 1
+            async with client.generate(make_request("b", max_tokens=3)) as s:
+                assert sum([len(d.token_ids) async for d in s]) == 3
+
+
+def test_todays_one_engine_client_refuses_a_two_rank_mock():
+    """Both ranks dial at once, so the second HELLO reaches the client while
+    it waits for the first rank's READY (the client serves one engine)."""
+    launch = (f"{sys.executable} -m zmqdispatch mock-engine --handshake-address {{handshake_address}} "
+              "--data-parallel-size 2")
+    p = subprocess.run([sys.executable, "-m", "zmqdispatch", "generate", "--prompt-token-ids", "1,2,3",
+                        "--max-tokens", "3", "--launch", launch, "--handshake-timeout", "30"],
+                       capture_output=True, text=True, timeout=90, check=False)
+    assert p.returncode == 3, p.stderr
+    assert "EngineHandshakeError: second HELLO" in p.stderr and p.stdout == ""
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -237,6 +249,6 @@ async def test_one_rank_still_works_with_the_client_through_the_dp_flags(tmp_pat
 ])
 def test_dp_flags_are_refused_by_name(flags, message):
     p = subprocess.run([sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address",
-                        "ipc:///tmp/zmqd-never-dialed.sock", *flags], capture_output=True, text=True, timeout=60)
+                        "ipc:///tmp/zmqd-never-dialed.sock", *flags], capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2
     assert message in p.stderr and p.stderr.count("\n") == 1 and p.stdout == ""

@@ -391,7 +391,7 @@ def _ready_response(cfg: MockEngineConfig) -> wire.EngineCoreReadyResponse:
         vllm_version=f"tokenspeed-{ts.TOKENSPEED_VERSION}+zmqdispatch.mock" if tokenspeed
         else "0.32.0+zmqdispatch.mock",
         data_parallel_rank=cfg.engine_index,
-        **({"data_parallel_size": cfg.data_parallel_size} if tokenspeed else {}),
+        data_parallel_size=cfg.data_parallel_size if tokenspeed else 1,  # vLLM non-MoE ranks: independent, DP=1
         max_num_seqs=1024,
         instance_id=f"zmqdispatch-mock-{cfg.engine_index}",
         kv_cache_size_tokens=max(1, cfg.max_model_len // 16) * 64 * 16 if tokenspeed else None,
