@@ -14,6 +14,11 @@ the named runtime (default ``vllm``). Engine choice:
   it on exit (its stdout goes to our stderr);
 - neither: start the embedded mock engine.
 
+``--requests FILE`` runs many requests (one proto-JSON ``GenerateRequest`` per
+line) concurrently through one client and prints ``{"request_id": ID,
+"response": GenerateResponse}`` lines (:mod:`zmqdispatch._cli_requests`,
+``docs/cli.md``).
+
 Exit status: 0 the generate completed; 2 the client rejected the request
 (nothing was sent), a flag value or an address is malformed; 3 the engine failed
 (dead, handshake, engine error) or an address cannot be bound; 130 interrupted
@@ -81,11 +86,12 @@ _INTERNAL_EPILOG = (f"  1    internal error (a bug; {DEBUG_ENV}=1 prints its tra
 
 _GENERATE_EPILOG = (
     "exit status:\n"
-    "  0    the generate completed\n"
+    "  0    the generate completed (--requests: every request completed)\n"
     + _INTERNAL_EPILOG +
     "  2    rejected before anything was sent: a request field or flag value out of range,\n"
-    "       a malformed address, an unreadable --request file\n"
+    "       a malformed address, an unreadable --request file (--requests: any bad line, each named)\n"
     "  3    the engine failed (dead, handshake, engine-side error), or an address cannot be bound\n"
+    "       (--requests: any request failed, each named by its request_id; the others ran)\n"
     "  130  interrupted (SIGINT); 143 terminated (SIGTERM): a launched engine is stopped first\n"
     "  141  stdout was closed (the reader went away, e.g. `| head -1`): the request was aborted\n"
     "every failure prints one line on stderr"
@@ -98,7 +104,8 @@ _MOCK_EPILOG = (
     f"       or an internal error ({DEBUG_ENV}=1 prints its traceback)\n"
     "  2    a malformed flag value or --handshake-address\n"
     "the mock serves one client after another: when its client goes away it dials the handshake\n"
-    "address again (and still accepts the old client's resumed data connections)"
+    "address again (and still accepts the old client's resumed data connections); with several DP\n"
+    "ranks each rank does so on its own"
 )
 
 _BENCH_EPILOG = (
