@@ -54,7 +54,6 @@ from .errors import (
     LocalProtocolError,
     EngineHandshakeError,
     EngineHandshakeTimeout,
-    RemoteProtocolError,
     RequestStreamClosed,
     UtilityCallTimeout,
 )
@@ -62,6 +61,8 @@ from .protocol import control
 from .metrics import EngineStats
 from .protocol.deadlines import Deadlines, DeadlineScheduler, TimedMailbox, effective_deadlines
 from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
+from .protocol.handshake import Handshake
+from .protocol.link import EngineLink, LinkAction, LinkDecision
 from .protocol.runtime import Runtime
 from .protocol.versions import EngineVersion, check_engine_version
 from .protocol.mailbox import Mailbox, OutputDelta
@@ -418,6 +419,7 @@ class EngineClient:
         process: trio.Process | None,
         monitor_sock: TrioSocket | None = None,
         output_monitor_sock: TrioSocket | None = None,
+        link: EngineLink | None = None,
     ) -> None:
         self._protocol = protocol
         self.ready = ready
@@ -428,30 +430,31 @@ class EngineClient:
         self._output = output_sock
         self._process = process
         self._monitor = monitor_sock
-        #: fds of the connections accepted on the input socket (monitor events)
-        self._peer_fds: set[int] = set()
+        self._output_monitor = output_monitor_sock
         self._bound_input = ""
         self._bound_output = ""
-        self._last_activity = trio.current_time()
-        self._closing = False
+        # The link's liveness rules (sans-IO): the tasks below feed it events
+        # and act on its decisions (_act).
+        self._link = link if link is not None else EngineLink(
+            engine_index=protocol.engine_index,
+            silence_timeout=config.silence_timeout,
+            watch_input=config.death_on_disconnect,
+            await_output_reconnect=config.death_on_disconnect,
+        )
+        self._link.start(trio.current_time())
+        # The output pump's wait, bounded by the link's pump_deadline (moved
+        # there by _act when an event changes it).
+        self._pump_scope: trio.CancelScope | None = None
         self._dead = trio.Event()
-        self._ending = trio.Event()  # set by a death sign or a death
+        self._ending = trio.Event()  # set by a death sign or a death (for observers)
 
         def on_death(exc: EngineDeadError) -> None:
             self._dead.set()
             self._ending.set()
-            self._wake_link_wait()
+            self._link.died(exc.reason)
+            self._sync_pump()
 
         protocol.on_death = on_death
-        # the engine's output connection dropped (set by _output_monitor_watch)
-        self._output_monitor = output_monitor_sock
-        self._output_dropped = ""  # endpoint of the dropped connection, "" = none
-        self._pump_wait: trio.CancelScope | None = None  # the output pump's wait
-        # the engine's output connections past their ZMTP handshake (output watch)
-        self._output_links = 0
-        # _await_output_link's wait: cancelled by a new output link, a death sign or a death
-        self._link_wait: trio.CancelScope | None = None
-        self.stray_output_connections = 0  # closed before their ZMTP handshake
         # per-request deadlines: one heap, one task (_deadline_watch)
         self._deadlines = DeadlineScheduler()
 
@@ -591,8 +594,19 @@ class EngineClient:
 
     def _note_submit(self) -> None:
         # The silence watchdog measures from the first request in flight.
-        if self._protocol.inflight == 1:
-            self._last_activity = trio.current_time()
+        inflight = self._protocol.inflight
+        if inflight == 1:
+            self._link.submitted(trio.current_time(), inflight)
+
+    @property
+    def stray_output_connections(self) -> int:
+        """Connections to the output socket that closed before their ZMTP
+        handshake (probes, port scans): counted and ignored."""
+        return self._link.stray_output_connections
+
+    @property
+    def _output_links(self) -> int:
+        return self._link.output_links
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""
@@ -753,34 +767,38 @@ class EngineClient:
 
     # ------------------------------------------------------------------ tasks
 
-    def _died(self, reason: str, message: str) -> None:
-        self._protocol.engine_died(EngineDeadError(message, engine_index=self.engine_index, reason=reason))
+    def _act(self, decision: LinkDecision | None) -> None:
+        """Carry out what the link decided (:mod:`zmqdispatch.protocol.link`),
+        then move the output pump's wait to the link's new deadline."""
+        if decision is not None:
+            p = self._protocol
+            action = decision.action
+            if action is LinkAction.GONE:
+                if p.state is LinkState.READY and p.gone is None:
+                    _log.info("engine %d gone (%s): %s; routing the outputs it sent before (drain, at most %s s)",
+                              self.engine_index, decision.reason, decision.message, self._link.drop_grace)
+                    p.engine_gone(EngineDeadError(decision.message, engine_index=self.engine_index,
+                                                  reason=decision.reason))
+                    self._ending.set()
+            elif action is LinkAction.DIE:
+                if p.gone is not None and decision.reason == p.gone.reason:
+                    _log.info("engine %d: drain done (%d output messages received in all)", self.engine_index,
+                              p.messages_received)
+                p.engine_died(EngineDeadError(decision.message, engine_index=self.engine_index,
+                                              reason=decision.reason))
+            elif action is LinkAction.FAIL_SENT:
+                p.output_lost(decision.message)
+            else:  # STRAY
+                _log.info("engine %d: %s", self.engine_index, decision.message)
+        self._sync_pump()
 
-    def _death_sign(self, reason: str, message: str) -> None:
-        """A sign that the engine is gone which may come before its last
-        outputs (its final tokens, finishes, the ``ENGINE_CORE_DEAD``
-        sentinel) are read: the input connection closed, the process exited,
-        a send met EHOSTUNREACH. New requests are refused at once
-        (``EngineProtocol.engine_gone``); the output pump routes those outputs
-        first (:meth:`_outputs_then_death`), then declares the death, unless
-        the outputs themselves did (a sentinel)."""
+    def _sync_pump(self) -> None:
+        scope = self._pump_scope
+        if scope is not None:
+            scope.deadline = self._link.pump_deadline
+
+    def _route(self, batch: list[list[bytes]], now: float) -> None:
         p = self._protocol
-        if p.state is LinkState.READY and p.gone is None:
-            _log.info("engine %d gone (%s): %s; routing the outputs it sent before (drain, at most %s s)",
-                      self.engine_index, reason, message, limits.OUTPUT_DROP_GRACE)
-            p.engine_gone(EngineDeadError(message, engine_index=self.engine_index, reason=reason))
-            self._ending.set()
-            self._wake_link_wait()
-            if self._pump_wait is not None:
-                self._pump_wait.cancel()
-
-    def _wake_link_wait(self) -> None:
-        if self._link_wait is not None:
-            self._link_wait.cancel()
-
-    def _route(self, batch: list[list[bytes]]) -> None:
-        p = self._protocol
-        now = self._last_activity  # the batch's receipt time (set by the caller)
         if self.config.pause_gc_while_routing and gc.isenabled():
             gc.disable()
             try:
@@ -796,53 +814,36 @@ class EngineClient:
         """Route every output message already queued on the socket."""
         p = self._protocol
         while p.state is LinkState.READY and (batch := self._output.recv_nowait()):
-            self._last_activity = trio.current_time()
-            self._route(batch)
+            now = trio.current_time()
+            self._link.output_received(now)
+            self._route(batch, now)
             await trio.lowlevel.checkpoint()
 
-    async def _outputs_then_death(self) -> None:
-        """Declare the death :meth:`_death_sign` recorded, after the engine's
-        last outputs. libzmq keeps what arrived on a connection readable after
-        reporting it closed, and a dead engine's output connection closes
-        within milliseconds of its input one, so: read on while an output
-        connection is up (at most ``limits.OUTPUT_DROP_GRACE`` seconds), route
-        what is queued, then fail what is left."""
-        p = self._protocol
-        assert p.gone is not None
-        deadline = trio.current_time() + limits.OUTPUT_DROP_GRACE
-        while p.state is LinkState.READY and self._output_links > 0 and trio.current_time() < deadline:
-            batch = None
-            with trio.CancelScope(deadline=deadline) as self._pump_wait:
-                batch = await self._output.recv_batch()
-            self._pump_wait = None
-            if batch:
-                self._last_activity = trio.current_time()
-                self._route(batch)
-        await self._route_queued()
-        _log.info("engine %d: drain done (%d output messages received in all)", self.engine_index,
-                  p.messages_received)
-        if p.state is LinkState.READY:
-            p.engine_died(p.gone)
-
     async def _output_pump(self) -> None:
+        """Own the output PULL: read and route batches until the link's
+        ``pump_deadline`` (``inf`` while nothing is pending), then take the
+        link's turn (``EngineLink.pump_turn``: drain after a death sign, hold
+        after an output drop, wait for an output connection to come back)."""
         sock = self._output
         p = self._protocol
+        link = self._link
         try:
             while p.state is LinkState.READY:
-                if p.gone is not None:
-                    await self._outputs_then_death()
-                    return
-                if self._output_dropped:
-                    await self._output_link_dropped()
-                    continue
                 batch = None
-                with trio.CancelScope() as self._pump_wait:  # cancelled on a drop or a death sign
-                    batch = await sock.recv_batch()  # atomic: a cancel loses nothing
-                self._pump_wait = None
-                if batch is None:
-                    continue
-                self._last_activity = trio.current_time()
-                self._route(batch)
+                with trio.CancelScope(deadline=link.pump_deadline) as self._pump_scope:
+                    if link.pump_reads:
+                        batch = await sock.recv_batch()  # atomic: a cancel loses nothing
+                    else:
+                        await trio.sleep_forever()
+                self._pump_scope = None
+                now = trio.current_time()
+                if batch:
+                    link.output_received(now)
+                    self._route(batch, now)
+                if link.pump_deadline <= now and p.state is LinkState.READY:
+                    if link.pump_reads:
+                        await self._route_queued()
+                    self._act(link.pump_turn(trio.current_time(), bool(p.inflight or p.pending_utility_calls)))
         except trio.ClosedResourceError:
             return
 
@@ -884,136 +885,74 @@ class EngineClient:
                 # room (bounded by send_timeout).
                 await sock.send(out.frames, timeout=timeout)
             except PeerUnreachable:
-                self._death_sign(
-                    "unreachable", f"engine {self.engine_index} is not connected to the input socket (EHOSTUNREACH)"
-                )
+                self._act(self._link.unreachable(trio.current_time()))
                 return
             except SendTimeout:
-                self._died(
-                    "send_timeout",
-                    f"engine {self.engine_index} stopped reading its input: a send waited {timeout} s",
-                )
+                self._act(self._link.send_timed_out(timeout))
                 return
             except trio.ClosedResourceError:
                 return
             p.send_done(out)
 
-    async def _watchdog(self) -> None:
+    async def _silence_watch(self) -> None:
+        """Sleep until the link's next deadline (the silence watchdog), then
+        let it decide."""
         p = self._protocol
-        timeout = self.config.silence_timeout
-        if not math.isfinite(timeout):
-            return
+        link = self._link
         while p.state is LinkState.READY:
-            deadline = self._last_activity + timeout
-            if trio.current_time() >= deadline:
-                if p.inflight > 0:
-                    self._died(
-                        "silence",
-                        f"engine {self.engine_index} sent nothing for {timeout} s with {p.inflight} requests in flight",
-                    )
-                    return
-                self._last_activity = trio.current_time()
+            when = link.next_deadline()
+            if when == math.inf:
+                return
+            now = trio.current_time()
+            if now < when:
+                await trio.sleep_until(when)
                 continue
-            await trio.sleep_until(deadline)
+            self._act(link.timer_fired(now, p.inflight))
 
     async def _monitor_watch(self) -> None:
+        """Feed the input ROUTER's connection events (zmq monitor) to the link."""
         assert self._monitor is not None
         sock = self._monitor
+        link = self._link
         try:
             while self._protocol.state is LinkState.READY:
                 event, value, endpoint = parse_monitor_event(await sock.recv_multipart())
-                if _engine_gone(self._peer_fds, event, value) and not self._closing:
-                    self._death_sign(
-                        "disconnected",
-                        f"engine {self.engine_index} closed its input connection ({endpoint})",
-                    )
-                    return
+                if event == zmq.EVENT_ACCEPTED:
+                    link.input_connected(value)
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._act(link.input_disconnected(value, endpoint, trio.current_time()))
         except trio.ClosedResourceError:
             return
 
     async def _output_monitor_watch(self) -> None:
-        """Watch the output PULL's connections (zmq monitor). A connection that
-        closes after its ZMTP handshake is an engine output link lost: libzmq
-        closes it itself when a frame exceeds ``MAXMSGSIZE``, and the outputs
-        still on it are gone. One that failed its handshake first (libzmq
-        emits ``HANDSHAKE_FAILED_*`` right before its ``DISCONNECTED``: a
-        probe, a port scan) is counted and ignored."""
+        """Feed the output PULL's connection events (zmq monitor) to the link.
+        A connection that closes after its ZMTP handshake is an engine output
+        link lost: libzmq closes it itself when a frame exceeds
+        ``MAXMSGSIZE``, and the outputs still on it are gone. One that failed
+        its handshake first (libzmq emits ``HANDSHAKE_FAILED_*`` right before
+        its ``DISCONNECTED``: a probe, a port scan) is counted and ignored."""
         assert self._output_monitor is not None
         sock = self._output_monitor
-        stray = False
+        link = self._link
         try:
             while self._protocol.state is LinkState.READY:
                 event, _, endpoint = parse_monitor_event(await sock.recv_multipart())
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._output_links += 1
-                    self._wake_link_wait()
+                    link.output_connected()
+                    self._sync_pump()
                 elif event & _HANDSHAKE_FAILED:
-                    stray = True
+                    link.output_handshake_failed()
                 elif event == zmq.EVENT_DISCONNECTED:
-                    if stray:
-                        self.stray_output_connections += 1
-                        _log.info("engine %d: a connection to the output socket (%s) failed its ZMTP handshake "
-                                  "and was ignored", self.engine_index, endpoint)
-                    elif not self._closing:
-                        self._output_links = max(0, self._output_links - 1)
-                        self._output_dropped = endpoint or "?"
-                        if self._pump_wait is not None:
-                            self._pump_wait.cancel()
-                    stray = False
+                    self._act(link.output_disconnected(endpoint))
         except trio.ClosedResourceError:
             return
-
-    async def _output_link_dropped(self) -> None:
-        """The engine's output connection dropped. Route what arrived before
-        the drop (final outputs, a sentinel), then stop reading for
-        ``limits.OUTPUT_DROP_GRACE`` seconds: a dying engine's other signals
-        (input disconnect, process exit) make it a death as usual. Otherwise
-        the engine lives on (its PUSH reconnects) and everything whose outputs
-        may have been on the lost connection fails with ``RemoteProtocolError``
-        and is aborted (``EngineProtocol.output_lost``)."""
-        endpoint, self._output_dropped = self._output_dropped, ""
-        p = self._protocol
-        await self._route_queued()
-        if p.inflight or p.pending_utility_calls:
-            with trio.move_on_after(limits.OUTPUT_DROP_GRACE):
-                await self._ending.wait()
-        if p.state is not LinkState.READY or p.gone is not None:
-            return  # dead, or a death sign: the pump's loop declares it (_outputs_then_death)
-        p.output_lost(
-            f"engine {self.engine_index}'s output connection ({endpoint}) was dropped, by libzmq for a frame above "
-            f"MAX_FRAME_BYTES ({limits.MAX_FRAME_BYTES} bytes, ZMQ_MAXMSGSIZE) or by a broken link: outputs on it "
-            "may be lost"
-        )
-        if self.config.death_on_disconnect and self._output_links == 0:
-            await self._await_output_link()
-
-    async def _await_output_link(self) -> None:
-        """No output connection is left: wait ``limits.OUTPUT_RECONNECT_GRACE``
-        for the engine's PUSH to reconnect, else declare the engine dead (it
-        can send nothing; new requests would wait for ``silence_timeout``)."""
-        p = self._protocol
-        # Its own scope: further drops (a reconnected link dropped again before
-        # this task ran) do not end the wait; only the deadline, a new link, a
-        # death sign or a death do.
-        with trio.move_on_after(limits.OUTPUT_RECONNECT_GRACE):
-            while self._output_links == 0 and p.state is LinkState.READY and p.gone is None:
-                with trio.CancelScope() as self._link_wait:
-                    await trio.sleep_forever()
-        self._link_wait = None
-        if self._output_links == 0 and p.state is LinkState.READY and p.gone is None:
-            self._died(
-                "output_disconnected",
-                f"engine {self.engine_index}'s output connection closed and did not come back within "
-                f"{limits.OUTPUT_RECONNECT_GRACE} s (limits.OUTPUT_RECONNECT_GRACE)",
-            )
 
     async def _process_watch(self) -> None:
         assert self._process is not None
         code = await self._process.wait()
         _log.info("engine %d: launched engine process %d exited with code %s", self.engine_index,
                   self._process.pid, code)
-        if not self._closing:
-            self._death_sign("process_exit", f"engine process {self._process.pid} exited with code {code}")
+        self._act(self._link.process_exited(self._process.pid, code, trio.current_time()))
 
     async def _deadline_watch(self) -> None:
         """The one task that enforces every request's deadlines: sleeps until
@@ -1172,124 +1111,88 @@ async def _handshake(
     process: trio.Process | None,
     monitor: TrioSocket | None = None,
 ) -> tuple[bytes, wire.EngineCoreReadyResponse]:
-    """HELLO -> INIT -> (READY on the handshake socket, ready response on the
-    input socket, in either order). vLLM 0.32, ``docs/vllm-wire.md`` §5.1.
+    """Run the handshake (:class:`~zmqdispatch.protocol.handshake.Handshake`,
+    ``docs/vllm-wire.md`` §5.1) for one engine: one task per socket feeds the
+    machine what it receives, sends the INIT it is handed, and one sleeps
+    until the machine's deadline (the timeout; after the handshake connection
+    closed, the grace for what was sent before the close).
 
     *monitor* (``EVENT_ACCEPTED | EVENT_DISCONNECTED`` of *hs*): the engine
     keeps its handshake connection open from HELLO until it has sent both
-    READY and its ready response (model loading included; vLLM sends the
-    ready response first, TokenSpeed READY first); when it closes in between
-    and the handshake does not complete within ``limits.OUTPUT_DROP_GRACE``
-    (what was sent before the close is still read), the engine is gone:
-    ``EngineHandshakeError`` at once instead of after *timeout*."""
-    result: dict[str, Any] = {}
-    complete = trio.Event()  # READY and the ready response both received
+    READY and its ready response (model loading included); when it closes in
+    between, ``EngineHandshakeError`` at once instead of after *timeout*."""
+    machine = Handshake(
+        now=trio.current_time(), timeout=timeout, input_address=input_address, output_address=output_address
+    )
+    timer_scope: trio.CancelScope | None = None
 
-    def stage() -> str:
-        if "identity" not in result:
-            return "HELLO"
-        if "ready_status" not in result:
-            return "READY"
-        return "input_registration"
+    def fed() -> None:
+        # Move the timer to the machine's (possibly earlier) deadline; end the
+        # handshake once complete.
+        if machine.complete:
+            nursery.cancel_scope.cancel()
+        elif timer_scope is not None:
+            timer_scope.deadline = machine.next_deadline()
 
     async def handshake_side() -> None:
-        while True:
-            msg = await hs.recv_multipart()
-            if len(msg) != 2:
-                raise EngineHandshakeError(f"handshake message has {len(msg)} frames, expected 2")
-            identity, payload = msg
-            try:
-                status = wire.decode_handshake_status(payload)
-            except RemoteProtocolError as exc:
-                raise EngineHandshakeError(f"undecodable handshake message: {exc}") from exc
-            if status.status == "HELLO":
-                if "identity" in result:
-                    raise EngineHandshakeError(f"second HELLO (identity {identity.hex()}) during the handshake")
-                result["identity"] = identity
+        while machine.wants_handshake_messages:
+            step = machine.handshake_received(await hs.recv_multipart(), trio.current_time())
+            if step.reply is not None:
                 _log.info("handshake: HELLO from engine identity %s (%s); sending INIT (input %s, output %s)",
-                          identity.hex(), "local" if status.local else "remote", input_address, output_address)
+                          step.identity.hex(), "local" if step.local else "remote", input_address, output_address)
                 try:
-                    await hs.send([identity, wire.encode_init(inputs=[input_address], outputs=[output_address])])
+                    await hs.send(step.reply)
                 except PeerUnreachable:
-                    raise EngineHandshakeError(
-                        "the engine closed its handshake connection right after HELLO (it exited or crashed)"
-                    ) from None
-                inp_ready_started.set()
-            elif status.status == "READY":
-                if result.get("identity") != identity:
-                    raise EngineHandshakeError(f"READY from identity {identity.hex()} before its HELLO")
-                result["ready_status"] = status
-                _log.info("handshake: READY from engine identity %s", identity.hex())
-                if "ready" in result:
-                    complete.set()
-                return
+                    raise machine.init_unreachable(step.identity) from None
             else:
-                raise EngineHandshakeError(f"unexpected handshake status {status.status!r}")
+                _log.info("handshake: READY from engine identity %s", step.identity.hex())
+            fed()
 
     async def input_side() -> None:
-        msg = await inp.recv_multipart()
-        if len(msg) != 2:
-            raise EngineHandshakeError(f"input registration has {len(msg)} frames, expected 2")
-        identity, payload = msg
-        await inp_ready_started.wait()
-        if identity != result.get("identity"):
-            raise EngineHandshakeError(f"ready response from unknown identity {identity.hex()}")
-        try:
-            result["ready"] = wire.decode_ready_response(payload)
-        except RemoteProtocolError as exc:
-            raise EngineHandshakeError(f"bad EngineCoreReadyResponse: {exc}") from exc
-        _log.info("handshake: ready response from engine identity %s on the input socket", identity.hex())
-        if "ready_status" in result:
-            complete.set()
+        while machine.wants_ready_responses:
+            step = machine.input_received(await inp.recv_multipart(), trio.current_time())
+            _log.info("handshake: ready response from engine identity %s on the input socket", step.identity.hex())
+            fed()
 
     async def watch_process() -> None:
         assert process is not None
         code = await process.wait()
-        raise EngineHandshakeError(f"engine process {process.pid} exited with code {code} during the handshake")
+        raise machine.process_exited(process.pid, code)
 
     async def watch_handshake_link() -> None:
         assert monitor is not None
-        fds: set[int] = set()
         while True:
             event, value, _ = parse_monitor_event(await monitor.recv_multipart())
-            if _engine_gone(fds, event, value):
-                # What was sent right before the close (a HELLO, READY) is
-                # still readable: give it the grace.
-                with trio.move_on_after(limits.OUTPUT_DROP_GRACE):
-                    await complete.wait()
-                if complete.is_set():
-                    return
-                if "identity" in result:
-                    raise EngineHandshakeError(
-                        f"the engine closed its handshake connection while the handshake waited for {stage()}"
-                        " (it exited or crashed)"
-                    )
-                # no HELLO came on it: a probe, or an engine not yet started; watch on
+            if event == zmq.EVENT_ACCEPTED:
+                machine.peer_connected(value)
+            elif event == zmq.EVENT_DISCONNECTED:
+                machine.peer_disconnected(value, trio.current_time())
+                fed()
 
-    inp_ready_started = trio.Event()
+    async def timer() -> None:
+        nonlocal timer_scope
+        while True:
+            with trio.CancelScope(deadline=machine.next_deadline()) as timer_scope:
+                await trio.sleep_forever()
+            timer_scope = None
+            machine.timer_fired(trio.current_time())  # raises past a deadline
+
     try:
-        with trio.fail_after(timeout):
-            async with trio.open_nursery() as nursery:
-                if process is not None:
-                    nursery.start_soon(watch_process)
-                if monitor is not None:
-                    nursery.start_soon(watch_handshake_link)
-
-                async def both() -> None:
-                    async with trio.open_nursery() as inner:
-                        inner.start_soon(handshake_side)
-                        inner.start_soon(input_side)
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(both)
-    except trio.TooSlowError:
-        _log.warning("handshake: timed out after %s s waiting for %s", timeout, stage())
-        raise EngineHandshakeTimeout(
-            f"engine handshake timed out after {timeout} s waiting for {stage()}", stage=stage()
-        ) from None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(timer)
+            if process is not None:
+                nursery.start_soon(watch_process)
+            if monitor is not None:
+                nursery.start_soon(watch_handshake_link)
+            nursery.start_soon(handshake_side)
+            nursery.start_soon(input_side)
     except BaseExceptionGroup as eg:
-        raise _unwrap(eg) from None
-    return result["identity"], result["ready"]
+        error = _unwrap(eg)
+        if isinstance(error, EngineHandshakeTimeout):
+            _log.warning("handshake: timed out after %s s waiting for %s", timeout, error.stage)
+        raise error from None
+    ((identity, ready),) = machine.results()
+    return identity, ready
 
 
 def _check_version(ready: wire.EngineCoreReadyResponse, config: ClientConfig) -> EngineVersion:
@@ -1310,31 +1213,19 @@ _HANDSHAKE_FAILED = (
 )
 
 
-def _engine_gone(peer_fds: set[int], event: int, value: int) -> bool:
-    """Track a socket's connections (its monitor's ACCEPTED / DISCONNECTED);
-    True when the last one closed.
-
-    A stray connection (a port scan on a tcp input address, a probe on an ipc
-    path) connects and closes without touching the engine's own connection,
-    so only "no connection left" means the engine went away.
-    """
-    if event == zmq.EVENT_ACCEPTED:
-        peer_fds.add(value)
-        return False
-    if event == zmq.EVENT_DISCONNECTED:
-        peer_fds.discard(value)
-        return not peer_fds
-    return False
-
-
-async def _await_reconnect(monitor: TrioSocket | None, timeout: float, peer_fds: set[int]) -> None:
+async def _await_reconnect(monitor: TrioSocket | None, timeout: float, link: EngineLink) -> None:
+    """Resume: wait until the engine's DEALER has reconnected to the input
+    socket (its ZMTP handshake done), feeding the input connections to *link*."""
     assert monitor is not None
     try:
         with trio.fail_after(timeout):
             while True:
-                event, value, _ = parse_monitor_event(await monitor.recv_multipart())
-                _engine_gone(peer_fds, event, value)
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                event, value, endpoint = parse_monitor_event(await monitor.recv_multipart())
+                if event == zmq.EVENT_ACCEPTED:
+                    link.input_connected(value)
+                elif event == zmq.EVENT_DISCONNECTED:
+                    link.input_disconnected(value, endpoint, trio.current_time())  # not serving yet: counts only
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     return
     except trio.TooSlowError:
         raise EngineHandshakeTimeout(
@@ -1436,7 +1327,14 @@ async def connect(
     process: trio.Process | None = None
     client: EngineClient | None = None
     monitor: TrioSocket | None = None
-    peer_fds: set[int] = set()
+    # The link's liveness state (protocol/link.py), made before the resume
+    # wait so the input connections it sees are counted.
+    link = EngineLink(
+        now=trio.current_time(),
+        silence_timeout=config.silence_timeout,
+        watch_input=config.death_on_disconnect,
+        await_output_reconnect=config.death_on_disconnect,
+    )
     out_monitor: TrioSocket | None = None
     hs_monitor: TrioSocket | None = None
     try:
@@ -1460,7 +1358,7 @@ async def connect(
                 "(%d orphan ids to abort)", resume.identity.hex(), input_address, output_address,
                 config.handshake_timeout, len(resume.orphan_ids), extra={"zmqdispatch_wait": True},
             )
-            await _await_reconnect(monitor, config.handshake_timeout, peer_fds)
+            await _await_reconnect(monitor, config.handshake_timeout, link)
             identity, ready = resume.identity, resume.ready
         else:
             input_address = await bind(inp, config.input_address or ipc("input.sock"), "input_address")
@@ -1504,6 +1402,7 @@ async def connect(
         hs.close()
         _check_version(ready, config)
         engine_index = int.from_bytes(identity, "little") if len(identity) == 2 else 0
+        link.engine_index = engine_index
         protocol = EngineProtocol(
             engine_index=engine_index,
             identity=identity,
@@ -1532,14 +1431,14 @@ async def connect(
             process=process,
             monitor_sock=monitor,
             output_monitor_sock=out_monitor,
+            link=link,
         )
         client._bound_input, client._bound_output = input_address, output_address
-        client._peer_fds = peer_fds
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._output_pump)
                 nursery.start_soon(client._input_pump)
-                nursery.start_soon(client._watchdog)
+                nursery.start_soon(client._silence_watch)
                 if process is not None:
                     nursery.start_soon(client._process_watch)
                 if monitor is not None:
@@ -1549,7 +1448,7 @@ async def connect(
                 try:
                     yield client
                 finally:
-                    client._closing = True
+                    link.close()
                     if protocol.state is LinkState.READY:
                         _log.info("closing the client of engine %d (%d live requests aborted)", engine_index,
                                   protocol.inflight)
@@ -1564,8 +1463,7 @@ async def connect(
         except BaseExceptionGroup as eg:
             raise _unwrap(eg) from None
     finally:
-        if client is not None:
-            client._closing = True
+        link.close()
         if monitor is not None:
             inp.disable_monitor()
             monitor.close()

@@ -1,0 +1,248 @@
+"""Sans-IO startup handshake, keyed by engine identity.
+
+The engine dials the client's handshake ROUTER (``docs/vllm-wire.md`` §5.1)::
+
+    engine -> HELLO   (handshake ROUTER, frames [identity, status map])
+    client -> INIT    (the input and output addresses to dial)
+    engine -> READY                  (handshake ROUTER)
+    engine -> EngineCoreReadyResponse (input ROUTER, same identity)
+
+READY and the ready response come in either order (vLLM sends the ready
+response first, TokenSpeed READY first). One :class:`Handshake` serves every
+engine behind one handshake address: its state is one :class:`EngineHandshake`
+per identity (vLLM data parallel: the DP rank, 2 bytes little-endian), and it
+is complete once ``engines`` identities have finished. An identity that
+finished and says HELLO again starts over (an engine restarted on the same
+address); HELLO twice during one handshake is an error.
+
+The shell (``client.py``) feeds the received frames, the handshake socket's
+connection events and the launched process's exit with the current time,
+sends the INIT frames it is handed, and sleeps until :meth:`Handshake.next_deadline`,
+then calls :meth:`Handshake.timer_fired`. Failures raise
+:class:`~zmqdispatch.errors.EngineHandshakeError` /
+:class:`~zmqdispatch.errors.EngineHandshakeTimeout`, which name the stage.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from .. import limits
+from ..errors import EngineHandshakeError, EngineHandshakeTimeout, RemoteProtocolError
+from ..wire import vllm as wire
+
+__all__ = ["EngineHandshake", "Handshake", "HandshakeStep"]
+
+
+@attrs.define(slots=True)
+class EngineHandshake:
+    """One engine's handshake: HELLO received at ``hello_at``, then its READY
+    status and its ready response (either order)."""
+
+    identity: bytes
+    hello_at: float
+    local: bool = False
+    ready_status: wire.HandshakeStatus | None = None
+    ready: wire.EngineCoreReadyResponse | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.ready_status is not None and self.ready is not None
+
+    @property
+    def stage(self) -> str:
+        """What this engine's handshake waits for: ``"READY"``,
+        ``"input_registration"`` (its ready response), or ``"done"``."""
+        if self.ready_status is None:
+            return "READY"
+        if self.ready is None:
+            return "input_registration"
+        return "done"
+
+
+@attrs.frozen(slots=True)
+class HandshakeStep:
+    """What a received message did, for the shell to act on and log.
+
+    ``event``: ``"HELLO"`` (send ``reply`` back on the handshake socket:
+    ``[identity, INIT]``), ``"READY"``, or ``"ready_response"``."""
+
+    event: str
+    identity: bytes
+    reply: list[bytes] | None = None
+    local: bool = False
+
+
+class Handshake:
+    """The handshake of up to ``engines`` engines behind one handshake address.
+
+    Args:
+        now: the start (seconds, the shell's clock).
+        timeout: seconds for the whole handshake (``ClientConfig.handshake_timeout``).
+        input_address / output_address: what INIT tells each engine to dial.
+        engines: how many distinct identities complete the handshake (1 today).
+        drop_grace: after the handshake connection closed with a handshake
+            begun and not done, seconds to read what was sent before the
+            close (``limits.OUTPUT_DROP_GRACE``), then ``EngineHandshakeError``.
+    """
+
+    def __init__(
+        self,
+        *,
+        now: float,
+        timeout: float,
+        input_address: str,
+        output_address: str,
+        engines: int = 1,
+        drop_grace: float = limits.OUTPUT_DROP_GRACE,
+    ) -> None:
+        self.deadline = now + timeout
+        self.timeout = timeout
+        self.input_address = input_address
+        self.output_address = output_address
+        self.engines = engines
+        self.drop_grace = drop_grace
+        self.by_identity: dict[bytes, EngineHandshake] = {}
+        self.peers: set[int] = set()
+        self.closed_until = math.inf  # the grace after the handshake connection closed
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def complete(self) -> bool:
+        done = [e for e in self.by_identity.values() if e.done]
+        return len(done) >= self.engines
+
+    def stage(self) -> str:
+        """What the handshake waits for: ``"HELLO"`` until every expected
+        engine said HELLO, then the earliest stage among them (``"READY"``,
+        ``"input_registration"``)."""
+        if self.complete:
+            return "done"
+        if len(self.by_identity) < self.engines:
+            return "HELLO"
+        pending = [e.stage for e in self.by_identity.values() if not e.done]
+        return "READY" if "READY" in pending else "input_registration"
+
+    @property
+    def wants_handshake_messages(self) -> bool:
+        """Some expected engine has not sent HELLO or READY yet."""
+        return len(self.by_identity) < self.engines or any(e.ready_status is None for e in self.by_identity.values())
+
+    @property
+    def wants_ready_responses(self) -> bool:
+        """Some expected engine has not sent its ready response yet."""
+        return len(self.by_identity) < self.engines or any(e.ready is None for e in self.by_identity.values())
+
+    def results(self) -> list[tuple[bytes, wire.EngineCoreReadyResponse]]:
+        """``(identity, ready response)`` of each finished engine, in HELLO order."""
+        return [(e.identity, e.ready) for e in self.by_identity.values() if e.ready is not None and e.done]
+
+    def next_deadline(self) -> float:
+        """When the shell calls :meth:`timer_fired`."""
+        return min(self.deadline, self.closed_until)
+
+    # ------------------------------------------------------------------ events
+
+    def handshake_received(self, frames: list[bytes], now: float) -> HandshakeStep:
+        """A message on the handshake ROUTER: ``[identity, status map]``.
+
+        Raises:
+            EngineHandshakeError: not 2 frames, undecodable, HELLO twice from
+                one identity during its handshake, HELLO from more engines than
+                expected, READY before HELLO, or another status.
+        """
+        if len(frames) != 2:
+            raise EngineHandshakeError(f"handshake message has {len(frames)} frames, expected 2")
+        identity, payload = frames
+        try:
+            status = wire.decode_handshake_status(payload)
+        except RemoteProtocolError as exc:
+            raise EngineHandshakeError(f"undecodable handshake message: {exc}") from exc
+        known = self.by_identity.get(identity)
+        if status.status == "HELLO":
+            if known is not None and not known.done:
+                raise EngineHandshakeError(f"second HELLO (identity {identity.hex()}) during the handshake")
+            if known is None and len(self.by_identity) >= self.engines:
+                raise EngineHandshakeError(
+                    f"second HELLO (identity {identity.hex()}) during the handshake: expected {self.engines} "
+                    f"engine{'s' if self.engines != 1 else ''}"
+                )
+            self.by_identity[identity] = EngineHandshake(identity, now, local=status.local)
+            init = wire.encode_init(inputs=[self.input_address], outputs=[self.output_address])
+            return HandshakeStep("HELLO", identity, [identity, init], status.local)
+        if status.status == "READY":
+            if known is None or known.done:
+                raise EngineHandshakeError(f"READY from identity {identity.hex()} before its HELLO")
+            known.ready_status = status
+            return HandshakeStep("READY", identity)
+        raise EngineHandshakeError(f"unexpected handshake status {status.status!r}")
+
+    def input_received(self, frames: list[bytes], now: float) -> HandshakeStep:
+        """A message on the input ROUTER during the handshake: an engine's
+        ``EngineCoreReadyResponse`` ``[identity, map]``.
+
+        Raises:
+            EngineHandshakeError: not 2 frames, an identity without a HELLO, a
+                second ready response, or an undecodable ready response.
+        """
+        if len(frames) != 2:
+            raise EngineHandshakeError(f"input registration has {len(frames)} frames, expected 2")
+        identity, payload = frames
+        known = self.by_identity.get(identity)
+        if known is None or known.ready is not None:
+            raise EngineHandshakeError(f"ready response from unknown identity {identity.hex()}")
+        try:
+            known.ready = wire.decode_ready_response(payload)
+        except RemoteProtocolError as exc:
+            raise EngineHandshakeError(f"bad EngineCoreReadyResponse: {exc}") from exc
+        return HandshakeStep("ready_response", identity)
+
+    def init_unreachable(self, identity: bytes) -> EngineHandshakeError:
+        """INIT could not be sent (``EHOSTUNREACH``): the error to raise."""
+        return EngineHandshakeError(
+            "the engine closed its handshake connection right after HELLO (it exited or crashed)"
+        )
+
+    def process_exited(self, pid: int, code: int | None) -> EngineHandshakeError:
+        """The launched engine exited during the handshake: the error to raise."""
+        return EngineHandshakeError(f"engine process {pid} exited with code {code} during the handshake")
+
+    def peer_connected(self, fd: int) -> None:
+        """The handshake ROUTER accepted a connection (monitor ``ACCEPTED``)."""
+        self.peers.add(fd)
+
+    def peer_disconnected(self, fd: int, now: float) -> None:
+        """A handshake connection closed (monitor ``DISCONNECTED``). When none
+        is left, what was sent before the close gets ``drop_grace`` seconds;
+        :meth:`timer_fired` then fails a begun handshake."""
+        self.peers.discard(fd)
+        if not self.peers and self.closed_until == math.inf:
+            self.closed_until = now + self.drop_grace
+
+    def timer_fired(self, now: float) -> None:
+        """Check the deadlines at *now*.
+
+        Raises:
+            EngineHandshakeError: the handshake connection closed ``drop_grace``
+                ago with a handshake begun and not complete (a close before
+                any HELLO is a probe, or an engine not started yet: ignored).
+            EngineHandshakeTimeout: ``timeout`` passed (``.stage`` says what
+                was awaited).
+        """
+        if self.complete:
+            return
+        if now >= self.closed_until:
+            self.closed_until = math.inf
+            if self.by_identity:
+                raise EngineHandshakeError(
+                    f"the engine closed its handshake connection while the handshake waited for {self.stage()}"
+                    " (it exited or crashed)"
+                )
+        if now >= self.deadline:
+            stage = self.stage()
+            raise EngineHandshakeTimeout(
+                f"engine handshake timed out after {self.timeout} s waiting for {stage}", stage=stage
+            )
