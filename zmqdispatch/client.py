@@ -10,12 +10,20 @@ binds, the engine dials in)::
 
 Task tree inside the nursery (one owner task per socket, ``docs/trio-and-zmq.md`` §8)::
 
-    output pump   owns PULL: recv_batch -> EngineProtocol.frames_received (sync routing)
+    output pump   owns PULL: recv_batch -> EngineProtocol.frames_received (sync routing);
+                  at the link's pump_deadline, the link's turn (drain, hold, reconnect wait)
     input pump    owns ROUTER: EngineProtocol.pop_send -> bounded send
-    watchdog      silence while requests are in flight -> engine death
+    silence watch sleeps until the link's next_deadline (silence with requests in flight)
+    monitor       the input ROUTER's monitor: its last connection closed -> a death sign
     output watch  the PULL's monitor: the engine's output connection dropped ->
-                  fail what may have been lost on it (``_output_link_dropped``)
-    process watch (engines we spawned) exit -> engine death
+                  fail what may have been lost on it
+    process watch (engines we spawned) exit -> a death sign
+
+When the engine is gone, dead or only its output connection lost is decided by
+the sans-IO :class:`~zmqdispatch.protocol.link.EngineLink`: these tasks feed it
+their events and act on its decisions (``EngineClient._act``); the startup
+handshake is :class:`~zmqdispatch.protocol.handshake.Handshake`, driven by
+``_handshake``.
 
 Per-request streams are *not* tasks: :meth:`EngineClient.generate` returns a
 :class:`RequestStream`, an ``async with`` context manager and async iterator
