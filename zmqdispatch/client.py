@@ -21,9 +21,11 @@ Task tree inside the nursery (one owner task per socket, ``docs/trio-and-zmq.md`
 
 When the engine is gone, dead or only its output connection lost is decided by
 the sans-IO :class:`~zmqdispatch.protocol.link.EngineLink`: these tasks feed it
-their events and act on its decisions (``EngineClient._act``); the startup
+their events and act on its decisions (``EngineConnection._act``); the startup
 handshake is :class:`~zmqdispatch.protocol.handshake.Handshake`, driven by
-``_handshake``.
+``_handshake``. :class:`EngineConnection` is one engine's data plane (socket
+pair, pumps, ``EngineProtocol``, ``EngineLink``); :class:`EngineClient` the
+user-facing side of it.
 
 Per-request streams are *not* tasks: :meth:`EngineClient.generate` returns a
 :class:`RequestStream`, an ``async with`` context manager and async iterator
@@ -404,6 +406,296 @@ class RequestStream:
             self._receiving = False
 
 
+class EngineConnection:
+    """The trio shell of one engine's data plane: its input ROUTER / output
+    PULL pair and their monitors, the :class:`EngineProtocol` (requests,
+    routing), the :class:`~zmqdispatch.protocol.link.EngineLink` (liveness),
+    the per-request deadlines, and the tasks that run them (:meth:`start`).
+    :class:`EngineClient` is the user-facing side of one of these; several
+    engines behind one handshake (vLLM data parallel) would be one each.
+
+    Every task here owns one socket or one timer, feeds the link its events
+    with ``trio.current_time()`` and acts on its decisions (:meth:`_act`).
+    """
+
+    def __init__(
+        self,
+        *,
+        protocol: EngineProtocol,
+        link: EngineLink,
+        input_sock: TrioSocket,
+        output_sock: TrioSocket,
+        process: trio.Process | None,
+        monitor_sock: TrioSocket | None,
+        output_monitor_sock: TrioSocket | None,
+        send_timeout: float,
+        pause_gc_while_routing: bool,
+    ) -> None:
+        self._protocol = protocol
+        self._link = link
+        self.engine_index = protocol.engine_index
+        self._input = input_sock
+        self._output = output_sock
+        self._process = process
+        self._monitor = monitor_sock
+        self._output_monitor = output_monitor_sock
+        self._send_timeout = send_timeout
+        self._pause_gc = pause_gc_while_routing
+        # The output pump's wait, bounded by the link's pump_deadline (moved
+        # there by _act when an event changes it).
+        self._pump_scope: trio.CancelScope | None = None
+        self._dead = trio.Event()
+        self._ending = trio.Event()  # set by a death sign or a death (for observers)
+        # per-request deadlines: one heap, one task (_deadline_watch)
+        self._deadlines = DeadlineScheduler()
+        link.start(trio.current_time())
+
+        def on_death(exc: EngineDeadError) -> None:
+            self._dead.set()
+            self._ending.set()
+            link.died(exc.reason)
+            self._sync_pump()
+
+        protocol.on_death = on_death
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the tasks (pumps, watches, deadlines) in *nursery*; they end
+        when the engine is declared dead or the nursery is cancelled."""
+        nursery.start_soon(self._output_pump)
+        nursery.start_soon(self._input_pump)
+        nursery.start_soon(self._silence_watch)
+        if self._process is not None:
+            nursery.start_soon(self._process_watch)
+        if self._monitor is not None:
+            nursery.start_soon(self._monitor_watch)
+        if self._output_monitor is not None:
+            nursery.start_soon(self._output_monitor_watch)
+        nursery.start_soon(self._deadline_watch)
+
+    def _act(self, decision: LinkDecision | None) -> None:
+        """Carry out what the link decided (:mod:`zmqdispatch.protocol.link`),
+        then move the output pump's wait to the link's new deadline."""
+        if decision is not None:
+            p = self._protocol
+            action = decision.action
+            if action is LinkAction.GONE:
+                if p.state is LinkState.READY and p.gone is None:
+                    _log.info("engine %d gone (%s): %s; routing the outputs it sent before (drain, at most %s s)",
+                              self.engine_index, decision.reason, decision.message, self._link.drop_grace)
+                    p.engine_gone(EngineDeadError(decision.message, engine_index=self.engine_index,
+                                                  reason=decision.reason))
+                    self._ending.set()
+            elif action is LinkAction.DIE:
+                if p.gone is not None and decision.reason == p.gone.reason:
+                    _log.info("engine %d: drain done (%d output messages received in all)", self.engine_index,
+                              p.messages_received)
+                p.engine_died(EngineDeadError(decision.message, engine_index=self.engine_index,
+                                              reason=decision.reason))
+            elif action is LinkAction.FAIL_SENT:
+                p.output_lost(decision.message)
+            else:  # STRAY
+                _log.info("engine %d: %s", self.engine_index, decision.message)
+        self._sync_pump()
+
+    def _sync_pump(self) -> None:
+        scope = self._pump_scope
+        if scope is not None:
+            scope.deadline = self._link.pump_deadline
+
+    def _route(self, batch: list[list[bytes]], now: float) -> None:
+        p = self._protocol
+        if self._pause_gc and gc.isenabled():
+            gc.disable()
+            try:
+                for frames in batch:
+                    p.frames_received(frames, now)
+            finally:
+                gc.enable()
+        else:
+            for frames in batch:
+                p.frames_received(frames, now)
+
+    async def _route_queued(self) -> None:
+        """Route every output message already queued on the socket."""
+        p = self._protocol
+        while p.state is LinkState.READY and (batch := self._output.recv_nowait()):
+            now = trio.current_time()
+            self._link.output_received(now)
+            self._route(batch, now)
+            await trio.lowlevel.checkpoint()
+
+    async def _output_pump(self) -> None:
+        """Own the output PULL: read and route batches until the link's
+        ``pump_deadline`` (``inf`` while nothing is pending), then take the
+        link's turn (``EngineLink.pump_turn``: drain after a death sign, hold
+        after an output drop, wait for an output connection to come back)."""
+        sock = self._output
+        p = self._protocol
+        link = self._link
+        try:
+            while p.state is LinkState.READY:
+                batch = None
+                with trio.CancelScope(deadline=link.pump_deadline) as self._pump_scope:
+                    if link.pump_reads:
+                        batch = await sock.recv_batch()  # atomic: a cancel loses nothing
+                    else:
+                        await trio.sleep_forever()
+                self._pump_scope = None
+                now = trio.current_time()
+                if batch:
+                    link.output_received(now)
+                    self._route(batch, now)
+                if link.pump_deadline <= now and p.state is LinkState.READY:
+                    if link.pump_reads:
+                        await self._route_queued()
+                    self._act(link.pump_turn(trio.current_time(), bool(p.inflight or p.pending_utility_calls)))
+        except trio.ClosedResourceError:
+            return
+
+    async def _input_pump(self) -> None:
+        sock = self._input
+        p = self._protocol
+        timeout = self._send_timeout
+        others = 0.0  # how long the rest of the loop ran while this pump last yielded mid-burst
+        while p.state is LinkState.READY:
+            slice_end = perf_counter() + send_slice(others)
+            others = 0.0
+            out = p.pop_send()
+            if out is None:
+                await _park_sender(p)
+                continue
+            try:
+                # Drain what the socket takes at once (one scheduler pass per
+                # burst, not per message: under heavy output an ADD per pass
+                # starved admission), then the awaited send for the rest. A
+                # burst also ends after its slice (send_slice): pop_send
+                # encodes ADDs (tens of µs each), and a thousand of them in
+                # one pass would hold the output pump (every running stream) back.
+                burst = limits.SEND_BURST_LIMIT
+                while sock.try_send(out.frames):
+                    p.send_done(out)
+                    burst -= 1
+                    if not burst or perf_counter() >= slice_end:
+                        out = None  # the burst is over: yield, the next pass pops on
+                        break
+                    out = p.pop_send()
+                    if out is None:
+                        break
+                if out is None:
+                    yielded = perf_counter()
+                    await trio.lowlevel.checkpoint()
+                    others = perf_counter() - yielded
+                    continue
+                # The socket is full: the awaited send yields and waits for
+                # room (bounded by send_timeout).
+                await sock.send(out.frames, timeout=timeout)
+            except PeerUnreachable:
+                self._act(self._link.unreachable(trio.current_time()))
+                return
+            except SendTimeout:
+                self._act(self._link.send_timed_out(timeout))
+                return
+            except trio.ClosedResourceError:
+                return
+            p.send_done(out)
+
+    async def _silence_watch(self) -> None:
+        """Sleep until the link's next deadline (the silence watchdog), then
+        let it decide."""
+        p = self._protocol
+        link = self._link
+        while p.state is LinkState.READY:
+            when = link.next_deadline()
+            if when == math.inf:
+                return
+            now = trio.current_time()
+            if now < when:
+                await trio.sleep_until(when)
+                continue
+            self._act(link.timer_fired(now, p.inflight))
+
+    async def _monitor_watch(self) -> None:
+        """Feed the input ROUTER's connection events (zmq monitor) to the link."""
+        assert self._monitor is not None
+        sock = self._monitor
+        link = self._link
+        try:
+            while self._protocol.state is LinkState.READY:
+                event, value, endpoint = parse_monitor_event(await sock.recv_multipart())
+                if event == zmq.EVENT_ACCEPTED:
+                    link.input_connected(value)
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._act(link.input_disconnected(value, endpoint, trio.current_time()))
+        except trio.ClosedResourceError:
+            return
+
+    async def _output_monitor_watch(self) -> None:
+        """Feed the output PULL's connection events (zmq monitor) to the link.
+        A connection that closes after its ZMTP handshake is an engine output
+        link lost: libzmq closes it itself when a frame exceeds
+        ``MAXMSGSIZE``, and the outputs still on it are gone. One that failed
+        its handshake first (libzmq emits ``HANDSHAKE_FAILED_*`` right before
+        its ``DISCONNECTED``: a probe, a port scan) is counted and ignored."""
+        assert self._output_monitor is not None
+        sock = self._output_monitor
+        link = self._link
+        try:
+            while self._protocol.state is LinkState.READY:
+                event, _, endpoint = parse_monitor_event(await sock.recv_multipart())
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    link.output_connected()
+                    self._sync_pump()
+                elif event & _HANDSHAKE_FAILED:
+                    link.output_handshake_failed()
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._act(link.output_disconnected(endpoint))
+        except trio.ClosedResourceError:
+            return
+
+    async def _process_watch(self) -> None:
+        assert self._process is not None
+        code = await self._process.wait()
+        _log.info("engine %d: launched engine process %d exited with code %s", self.engine_index,
+                  self._process.pid, code)
+        self._act(self._link.process_exited(self._process.pid, code, trio.current_time()))
+
+    async def _deadline_watch(self) -> None:
+        """The one task that enforces every request's deadlines: sleeps until
+        the earliest one (``DeadlineScheduler``), fails and aborts the requests
+        past theirs."""
+        d = self._deadlines
+        p = self._protocol
+        while p.state is LinkState.READY:
+            when = d.next_deadline()
+            if when is None or when > trio.current_time():
+                # Woken by an earlier deadline (DeadlineScheduler.waiter), or at `when`.
+                with trio.move_on_at(math.inf if when is None else when):
+                    await _park(d)
+                continue
+            expired = d.pop_expired(trio.current_time())
+            for mailbox, exc in expired:
+                _log.warning("engine %d: %s", self.engine_index, exc)
+                p.stats.deadlines_exceeded[exc.limit] = p.stats.deadlines_exceeded.get(exc.limit, 0) + 1
+                p.abort_mailbox(mailbox, exc)
+            await trio.lowlevel.checkpoint()
+
+    def _flush_aborts_nowait(self) -> None:
+        """At shutdown: hand the pending ABORT frame to the socket without
+        waiting (the input socket then lingers briefly to deliver it). Queued
+        ADDs are not sent: nobody would read their outputs."""
+        p = self._protocol
+        if p.state is not LinkState.READY or not p.pending_abort_ids:
+            return
+        out = p.pop_send()  # pending aborts always come first
+        if out is None:
+            return
+        try:
+            if self._input.try_send(out.frames):
+                p.send_done(out)
+        except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
+
+
 class EngineClient:
     """A handshaken connection to one engine. Create with :func:`connect`.
 
@@ -419,52 +711,26 @@ class EngineClient:
     def __init__(
         self,
         *,
-        protocol: EngineProtocol,
+        connection: EngineConnection,
         ready: wire.EngineCoreReadyResponse,
         config: ClientConfig,
-        input_sock: TrioSocket,
-        output_sock: TrioSocket,
-        process: trio.Process | None,
-        monitor_sock: TrioSocket | None = None,
-        output_monitor_sock: TrioSocket | None = None,
-        link: EngineLink | None = None,
     ) -> None:
-        self._protocol = protocol
+        self._conn = connection
+        # The connection's parts this side uses (the same objects).
+        self._protocol = protocol = connection._protocol
+        self._link = connection._link
+        self._input = connection._input
+        self._output = connection._output
+        self._process = connection._process
+        self._dead = connection._dead
+        self._ending = connection._ending
+        self._deadlines = connection._deadlines
         self.ready = ready
         self.runtime = protocol.runtime
         self.engine_index = protocol.engine_index
         self.config = config
-        self._input = input_sock
-        self._output = output_sock
-        self._process = process
-        self._monitor = monitor_sock
-        self._output_monitor = output_monitor_sock
         self._bound_input = ""
         self._bound_output = ""
-        # The link's liveness rules (sans-IO): the tasks below feed it events
-        # and act on its decisions (_act).
-        self._link = link if link is not None else EngineLink(
-            engine_index=protocol.engine_index,
-            silence_timeout=config.silence_timeout,
-            watch_input=config.death_on_disconnect,
-            await_output_reconnect=config.death_on_disconnect,
-        )
-        self._link.start(trio.current_time())
-        # The output pump's wait, bounded by the link's pump_deadline (moved
-        # there by _act when an event changes it).
-        self._pump_scope: trio.CancelScope | None = None
-        self._dead = trio.Event()
-        self._ending = trio.Event()  # set by a death sign or a death (for observers)
-
-        def on_death(exc: EngineDeadError) -> None:
-            self._dead.set()
-            self._ending.set()
-            self._link.died(exc.reason)
-            self._sync_pump()
-
-        protocol.on_death = on_death
-        # per-request deadlines: one heap, one task (_deadline_watch)
-        self._deadlines = DeadlineScheduler()
 
     def __repr__(self) -> str:
         p = self._protocol
@@ -772,232 +1038,6 @@ class EngineClient:
                             profiler_kwargs=profiler_kwargs),
             timeout,
         )
-
-    # ------------------------------------------------------------------ tasks
-
-    def _act(self, decision: LinkDecision | None) -> None:
-        """Carry out what the link decided (:mod:`zmqdispatch.protocol.link`),
-        then move the output pump's wait to the link's new deadline."""
-        if decision is not None:
-            p = self._protocol
-            action = decision.action
-            if action is LinkAction.GONE:
-                if p.state is LinkState.READY and p.gone is None:
-                    _log.info("engine %d gone (%s): %s; routing the outputs it sent before (drain, at most %s s)",
-                              self.engine_index, decision.reason, decision.message, self._link.drop_grace)
-                    p.engine_gone(EngineDeadError(decision.message, engine_index=self.engine_index,
-                                                  reason=decision.reason))
-                    self._ending.set()
-            elif action is LinkAction.DIE:
-                if p.gone is not None and decision.reason == p.gone.reason:
-                    _log.info("engine %d: drain done (%d output messages received in all)", self.engine_index,
-                              p.messages_received)
-                p.engine_died(EngineDeadError(decision.message, engine_index=self.engine_index,
-                                              reason=decision.reason))
-            elif action is LinkAction.FAIL_SENT:
-                p.output_lost(decision.message)
-            else:  # STRAY
-                _log.info("engine %d: %s", self.engine_index, decision.message)
-        self._sync_pump()
-
-    def _sync_pump(self) -> None:
-        scope = self._pump_scope
-        if scope is not None:
-            scope.deadline = self._link.pump_deadline
-
-    def _route(self, batch: list[list[bytes]], now: float) -> None:
-        p = self._protocol
-        if self.config.pause_gc_while_routing and gc.isenabled():
-            gc.disable()
-            try:
-                for frames in batch:
-                    p.frames_received(frames, now)
-            finally:
-                gc.enable()
-        else:
-            for frames in batch:
-                p.frames_received(frames, now)
-
-    async def _route_queued(self) -> None:
-        """Route every output message already queued on the socket."""
-        p = self._protocol
-        while p.state is LinkState.READY and (batch := self._output.recv_nowait()):
-            now = trio.current_time()
-            self._link.output_received(now)
-            self._route(batch, now)
-            await trio.lowlevel.checkpoint()
-
-    async def _output_pump(self) -> None:
-        """Own the output PULL: read and route batches until the link's
-        ``pump_deadline`` (``inf`` while nothing is pending), then take the
-        link's turn (``EngineLink.pump_turn``: drain after a death sign, hold
-        after an output drop, wait for an output connection to come back)."""
-        sock = self._output
-        p = self._protocol
-        link = self._link
-        try:
-            while p.state is LinkState.READY:
-                batch = None
-                with trio.CancelScope(deadline=link.pump_deadline) as self._pump_scope:
-                    if link.pump_reads:
-                        batch = await sock.recv_batch()  # atomic: a cancel loses nothing
-                    else:
-                        await trio.sleep_forever()
-                self._pump_scope = None
-                now = trio.current_time()
-                if batch:
-                    link.output_received(now)
-                    self._route(batch, now)
-                if link.pump_deadline <= now and p.state is LinkState.READY:
-                    if link.pump_reads:
-                        await self._route_queued()
-                    self._act(link.pump_turn(trio.current_time(), bool(p.inflight or p.pending_utility_calls)))
-        except trio.ClosedResourceError:
-            return
-
-    async def _input_pump(self) -> None:
-        sock = self._input
-        p = self._protocol
-        timeout = self.config.send_timeout
-        others = 0.0  # how long the rest of the loop ran while this pump last yielded mid-burst
-        while p.state is LinkState.READY:
-            slice_end = perf_counter() + send_slice(others)
-            others = 0.0
-            out = p.pop_send()
-            if out is None:
-                await _park_sender(p)
-                continue
-            try:
-                # Drain what the socket takes at once (one scheduler pass per
-                # burst, not per message: under heavy output an ADD per pass
-                # starved admission), then the awaited send for the rest. A
-                # burst also ends after its slice (send_slice): pop_send
-                # encodes ADDs (tens of µs each), and a thousand of them in
-                # one pass would hold the output pump (every running stream) back.
-                burst = limits.SEND_BURST_LIMIT
-                while sock.try_send(out.frames):
-                    p.send_done(out)
-                    burst -= 1
-                    if not burst or perf_counter() >= slice_end:
-                        out = None  # the burst is over: yield, the next pass pops on
-                        break
-                    out = p.pop_send()
-                    if out is None:
-                        break
-                if out is None:
-                    yielded = perf_counter()
-                    await trio.lowlevel.checkpoint()
-                    others = perf_counter() - yielded
-                    continue
-                # The socket is full: the awaited send yields and waits for
-                # room (bounded by send_timeout).
-                await sock.send(out.frames, timeout=timeout)
-            except PeerUnreachable:
-                self._act(self._link.unreachable(trio.current_time()))
-                return
-            except SendTimeout:
-                self._act(self._link.send_timed_out(timeout))
-                return
-            except trio.ClosedResourceError:
-                return
-            p.send_done(out)
-
-    async def _silence_watch(self) -> None:
-        """Sleep until the link's next deadline (the silence watchdog), then
-        let it decide."""
-        p = self._protocol
-        link = self._link
-        while p.state is LinkState.READY:
-            when = link.next_deadline()
-            if when == math.inf:
-                return
-            now = trio.current_time()
-            if now < when:
-                await trio.sleep_until(when)
-                continue
-            self._act(link.timer_fired(now, p.inflight))
-
-    async def _monitor_watch(self) -> None:
-        """Feed the input ROUTER's connection events (zmq monitor) to the link."""
-        assert self._monitor is not None
-        sock = self._monitor
-        link = self._link
-        try:
-            while self._protocol.state is LinkState.READY:
-                event, value, endpoint = parse_monitor_event(await sock.recv_multipart())
-                if event == zmq.EVENT_ACCEPTED:
-                    link.input_connected(value)
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self._act(link.input_disconnected(value, endpoint, trio.current_time()))
-        except trio.ClosedResourceError:
-            return
-
-    async def _output_monitor_watch(self) -> None:
-        """Feed the output PULL's connection events (zmq monitor) to the link.
-        A connection that closes after its ZMTP handshake is an engine output
-        link lost: libzmq closes it itself when a frame exceeds
-        ``MAXMSGSIZE``, and the outputs still on it are gone. One that failed
-        its handshake first (libzmq emits ``HANDSHAKE_FAILED_*`` right before
-        its ``DISCONNECTED``: a probe, a port scan) is counted and ignored."""
-        assert self._output_monitor is not None
-        sock = self._output_monitor
-        link = self._link
-        try:
-            while self._protocol.state is LinkState.READY:
-                event, _, endpoint = parse_monitor_event(await sock.recv_multipart())
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    link.output_connected()
-                    self._sync_pump()
-                elif event & _HANDSHAKE_FAILED:
-                    link.output_handshake_failed()
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self._act(link.output_disconnected(endpoint))
-        except trio.ClosedResourceError:
-            return
-
-    async def _process_watch(self) -> None:
-        assert self._process is not None
-        code = await self._process.wait()
-        _log.info("engine %d: launched engine process %d exited with code %s", self.engine_index,
-                  self._process.pid, code)
-        self._act(self._link.process_exited(self._process.pid, code, trio.current_time()))
-
-    async def _deadline_watch(self) -> None:
-        """The one task that enforces every request's deadlines: sleeps until
-        the earliest one (``DeadlineScheduler``), fails and aborts the requests
-        past theirs."""
-        d = self._deadlines
-        p = self._protocol
-        while p.state is LinkState.READY:
-            when = d.next_deadline()
-            if when is None or when > trio.current_time():
-                # Woken by an earlier deadline (DeadlineScheduler.waiter), or at `when`.
-                with trio.move_on_at(math.inf if when is None else when):
-                    await _park(d)
-                continue
-            expired = d.pop_expired(trio.current_time())
-            for mailbox, exc in expired:
-                _log.warning("engine %d: %s", self.engine_index, exc)
-                p.stats.deadlines_exceeded[exc.limit] = p.stats.deadlines_exceeded.get(exc.limit, 0) + 1
-                p.abort_mailbox(mailbox, exc)
-            await trio.lowlevel.checkpoint()
-
-    def _flush_aborts_nowait(self) -> None:
-        """At shutdown: hand the pending ABORT frame to the socket without
-        waiting (the input socket then lingers briefly to deliver it). Queued
-        ADDs are not sent: nobody would read their outputs."""
-        p = self._protocol
-        if p.state is not LinkState.READY or not p.pending_abort_ids:
-            return
-        out = p.pop_send()  # pending aborts always come first
-        if out is None:
-            return
-        try:
-            if self._input.try_send(out.frames):
-                p.send_done(out)
-        except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
-            pass
-
 
 def send_slice(others: float) -> float:
     """Seconds the input pump may work in its next scheduler pass.
@@ -1430,29 +1470,22 @@ async def connect(
             inp.disable_monitor()
             monitor.close()
             monitor = None
-        client = EngineClient(
+        connection = EngineConnection(
             protocol=protocol,
-            ready=ready,
-            config=config,
+            link=link,
             input_sock=inp,
             output_sock=out,
             process=process,
             monitor_sock=monitor,
             output_monitor_sock=out_monitor,
-            link=link,
+            send_timeout=config.send_timeout,
+            pause_gc_while_routing=config.pause_gc_while_routing,
         )
+        client = EngineClient(connection=connection, ready=ready, config=config)
         client._bound_input, client._bound_output = input_address, output_address
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(client._output_pump)
-                nursery.start_soon(client._input_pump)
-                nursery.start_soon(client._silence_watch)
-                if process is not None:
-                    nursery.start_soon(client._process_watch)
-                if monitor is not None:
-                    nursery.start_soon(client._monitor_watch)
-                nursery.start_soon(client._output_monitor_watch)
-                nursery.start_soon(client._deadline_watch)
+                connection.start(nursery)
                 try:
                     yield client
                 finally:
@@ -1465,7 +1498,7 @@ async def connect(
                     # (docs/known-failures.md K7).
                     closed = EngineDeadError("the engine client is closed", engine_index=engine_index, reason="closed")
                     protocol.abort(protocol.live_request_ids(), error=closed)
-                    client._flush_aborts_nowait()
+                    connection._flush_aborts_nowait()
                     protocol.engine_died(closed)
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
