@@ -31,7 +31,8 @@ The load of an engine is::
   ``in_flight``, so requests placed after the report was taken keep counting whatever it
   says. The part is void once ``in_flight`` returns to zero (an idle engine sends no
   report, so its last one would otherwise show its final requests forever), when the
-  engine dies, and when a newer report arrives.
+  engine dies, and when a newer report arrives; a report of an engine this client has
+  nothing on is not kept.
 - ``kv_penalty``: ``waiting * KV_PRESSURE_WEIGHT * max(0, kv_cache_usage - 0.5)`` from the
   same report: a queue on an engine whose KV cache is more than half full drains slowly.
 
@@ -251,7 +252,8 @@ class Placement:
         Apply it before the finishes of the message that carried it. Ignored (False):
         an unknown or dead engine, another incarnation, an engine ``timestamp`` older than
         the last applied report's (the engine's own clock, compared only with its own
-        reports), or counts that are not non-negative ints.
+        reports), counts that are not non-negative ints, or an engine this client has no
+        request on (the report is read relative to those; it also voids the previous one).
         """
         e = self.engines._records().get(engine_index)
         if e is None or e.state is EngineState.DEAD or e.incarnation != incarnation:
@@ -271,6 +273,11 @@ class Placement:
         ):
             return False
         own = len(e.requests)
+        if not own:
+            # The report is read relative to this client's requests on the engine; with none
+            # there it would outlive its meaning (an idle engine sends no newer one).
+            self._reports.pop(engine_index, None)
+            return False
         other = max(0, num_running + num_waiting - own)
         penalty = num_waiting * KV_PRESSURE_WEIGHT * max(0.0, kv - 0.5) if kv is not None and num_waiting else 0.0
         self._reports[engine_index] = _Report(
