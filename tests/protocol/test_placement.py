@@ -116,7 +116,7 @@ def test_kv_pressure_penalizes_a_queue_on_a_full_cache() -> None:
     p.report_load(0, 0, num_running=0, num_waiting=1, kv_cache_usage=1.0)
     p.report_load(1, 0, num_running=0, num_waiting=1, kv_cache_usage=0.5)
     assert scores(p) == {0: 1 + 0.5 * KV_PRESSURE_WEIGHT, 1: 1}
-    assert p.place("c").engine_index == 1
+    assert [p.place(f"c{i}").engine_index for i in range(3)] == [1, 1, 1]
 
 
 def test_reports_that_are_older_from_another_incarnation_or_malformed_are_ignored() -> None:

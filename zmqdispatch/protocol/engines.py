@@ -32,7 +32,7 @@ on that engine)) and the snapshots (O(engines)).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import attrs
@@ -90,7 +90,7 @@ class Route(NamedTuple):
 class _Engine:
     """Mutable per-engine record (internal)."""
 
-    __slots__ = ("idle_epoch", "incarnation", "index", "reason", "requests", "state")
+    __slots__ = ("extra", "extra_epoch", "idle_epoch", "incarnation", "index", "reason", "requests", "state")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -102,6 +102,10 @@ class _Engine:
         # Bumped whenever the in-flight count returns to 0 (or the engine dies): what was
         # learnt about the engine's queue while it held our requests is void after that.
         self.idle_epoch = 0
+        # The placement policy's load beyond ``requests`` (from the engine's last report),
+        # counted while ``extra_epoch == idle_epoch``. Kept here so a decision reads one record.
+        self.extra = 0.0
+        self.extra_epoch = -1
 
 
 def format_ranks(indices: Iterable[int]) -> str:
@@ -128,11 +132,16 @@ class EngineSet:
     caller, not conditions of the engines.
     """
 
-    __slots__ = ("_engines", "_table")
+    __slots__ = ("_engines", "_table", "_up")
 
     def __init__(self) -> None:
         self._engines: dict[int, _Engine] = {}
         self._table: dict[str, _Engine] = {}
+        # The up engines, by index; rebuilt on every state change (rare), read per placement.
+        self._up: list[_Engine] = []
+
+    def _state_changed(self) -> None:
+        self._up = [e for _, e in sorted(self._engines.items()) if e.state is EngineState.UP]
 
     # ------------------------------------------------------------------ engine events
 
@@ -148,6 +157,7 @@ class EngineSet:
         if engine_index in self._engines:
             raise LocalProtocolError(f"engine {engine_index} is already known")
         self._engines[engine_index] = _Engine(engine_index)
+        self._state_changed()
         return Route(engine_index, 0)
 
     def engine_died(self, engine_index: int, reason: str) -> tuple[str, ...]:
@@ -169,6 +179,7 @@ class EngineSet:
             del table[rid]
         e.requests = {}
         e.idle_epoch += 1
+        self._state_changed()
         return lost
 
     def engine_returned(self, engine_index: int) -> Route:
@@ -183,6 +194,7 @@ class EngineSet:
         e.state = EngineState.UP
         e.reason = None
         e.incarnation += 1
+        self._state_changed()
         return Route(engine_index, e.incarnation)
 
     def drain(self, engine_index: int) -> bool:
@@ -197,6 +209,7 @@ class EngineSet:
         if e.state is EngineState.DEAD:
             raise LocalProtocolError(f"engine {engine_index} is dead: nothing to drain")
         e.state = EngineState.DRAINING
+        self._state_changed()
         return not e.requests
 
     def undrain(self, engine_index: int) -> None:
@@ -209,6 +222,7 @@ class EngineSet:
         if e.state is EngineState.DEAD:
             raise LocalProtocolError(f"engine {engine_index} is dead: it cannot be undrained")
         e.state = EngineState.UP
+        self._state_changed()
 
     # ------------------------------------------------------------------ request events
 
@@ -232,13 +246,15 @@ class EngineSet:
             f"engine {engine_index} is draining; request {request_id!r} not sent", engine_index=engine_index
         )
 
-    def check_new_ids(self, request_ids: Iterable[str]) -> None:
+    def check_new_ids(self, request_ids: Sequence[str]) -> None:
         """Refuse ids that are live anywhere in the set, or repeated among themselves.
 
         Raises:
             DuplicateRequestIdError: naming the id and, when live, the engine holding it.
         """
         table = self._table
+        if len(request_ids) == 1 and request_ids[0] not in table:
+            return
         seen: set[str] = set()
         for rid in request_ids:
             e = table.get(rid)
@@ -356,6 +372,9 @@ class EngineSet:
 
     def _records(self) -> dict[int, _Engine]:
         return self._engines
+
+    def _up_records(self) -> list[_Engine]:
+        return self._up
 
     def _start_on(self, e: _Engine, request_ids: Iterable[str]) -> None:
         table = self._table

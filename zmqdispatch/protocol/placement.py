@@ -177,7 +177,7 @@ class Placement:
         if data_parallel_rank is not None:
             e = self._pinned(records, data_parallel_rank, first)
         else:
-            e = self._least_loaded(records)
+            e = self._least_loaded()
         engines._start_on(e, ids)
         return Route(e.index, e.incarnation)
 
@@ -187,7 +187,7 @@ class Placement:
         Raises:
             NoEngineAvailableError: no engine is up.
         """
-        return self._least_loaded(self.engines._records()).index
+        return self._least_loaded().index
 
     def _pinned(self, records: dict[int, _Engine], rank: Any, request_id: str) -> _Engine:
         if type(rank) is not int or rank not in records:
@@ -202,32 +202,27 @@ class Placement:
             self.engines.check_can_start(rank, request_id)
         return e
 
-    def _least_loaded(self, records: dict[int, _Engine]) -> _Engine:
-        reports = self._reports
-        best: float = float("inf")
-        ties: list[_Engine] = []
-        up = EngineState.UP
-        for idx, e in records.items():
-            if e.state is not up:
-                continue
-            score: float = len(e.requests)
-            r = reports.get(idx)
-            if r is not None and r.epoch == e.idle_epoch and r.incarnation == e.incarnation:
-                score += r.extra
-            if score < best:
-                best = score
-                ties = [e]
-            elif score == best:
-                ties.append(e)
-        if not ties:
+    def _least_loaded(self) -> _Engine:
+        ups = self.engines._up_records()
+        if not ups:
+            words = self._state_words()
             raise NoEngineAvailableError(
-                "no engine is up to take the request: "
-                + ", ".join(f"engine {i} {s}" for i, s in self._state_words().items()),
-                states=self._state_words(),
+                "no engine is up to take the request: " + ", ".join(f"engine {i} {w}" for i, w in words.items()),
+                states=words,
             )
-        if len(ties) == 1:
-            return ties[0]
-        return ties[self._rng.randrange(len(ties))]
+        # One comprehension and C-level min / count / index: the scan is the whole cost.
+        scores = [len(e.requests) + (e.extra if e.extra_epoch == e.idle_epoch else 0.0) for e in ups]
+        best = min(scores)
+        n = scores.count(best)
+        if n == 1:
+            return ups[scores.index(best)]
+        k = self._rng.randrange(n)
+        for e, score in zip(ups, scores):
+            if score == best:
+                if not k:
+                    return e
+                k -= 1
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _state_words(self) -> dict[int, str]:
         return {
@@ -277,12 +272,15 @@ class Placement:
             # The report is read relative to this client's requests on the engine; with none
             # there it would outlive its meaning (an idle engine sends no newer one).
             self._reports.pop(engine_index, None)
+            e.extra_epoch = -1
             return False
         other = max(0, num_running + num_waiting - own)
         penalty = num_waiting * KV_PRESSURE_WEIGHT * max(0.0, kv - 0.5) if kv is not None and num_waiting else 0.0
         self._reports[engine_index] = _Report(
             incarnation, e.idle_epoch, timestamp, num_running, num_waiting, kv, other, penalty
         )
+        e.extra = other + penalty
+        e.extra_epoch = e.idle_epoch
         return True
 
     def report_scheduler_stats(
