@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+import timeit
 from collections.abc import Callable
 
 from zmqdispatch.protocol.engines import EngineSet
@@ -74,6 +75,9 @@ def main() -> None:
         ("n=4 samples (per request)", _samples, True, a.in_flight),
         ("pinned", _pinned, True, a.in_flight),
     ]
+    # The machine's pace: on a shared box every figure scales with this one.
+    call = min(timeit.repeat("f(1, b=2)", "def f(a, *, b=None): return a", number=200_000, repeat=5)) / 200_000
+    print(f"calibration: one Python call with a keyword argument = {call * 1e9:.0f} ns")
     print(f"{'engines':>7}  {'case':<36} {'ns/placement':>12}  (place + finish, best of {a.rounds})")
     for engines in a.engines:
         for name, make, reports, in_flight in cases:
