@@ -337,6 +337,11 @@ def test_placement_invariants_under_any_event_sequence(ops: list[tuple[object, .
             es.undrain(op[1])  # type: ignore[arg-type]
 
         loads = {load.engine_index: load for load in p.loads()}
+        # The loads the scan reads (kept current on each event) equal the ones recomputed.
+        ups, kept = es._up_records()
+        assert {e.index: score for e, score in zip(ups, kept)} == {
+            i: load.score for i, load in loads.items() if load.state is EngineState.UP
+        }
         for i, load in loads.items():
             assert load.in_flight >= 0 and load.other >= 0 and load.kv_penalty >= 0
             assert load.score >= load.in_flight  # a report never lowers the own count

@@ -25,8 +25,9 @@ new incarnation with an empty table: no request id of the old incarnation is rou
 (:meth:`~EngineSet.route` no longer knows them), and a late finish reported for the old
 incarnation is ignored. Rules and the failures they prevent: ``docs/many-engines.md``.
 
-No I/O, no clock; every method is O(1) except :meth:`~EngineSet.engine_died` (O(requests
-on that engine)) and the snapshots (O(engines)).
+No I/O, no clock; every request event is O(1) (it also keeps the engine's load current for
+:mod:`~zmqdispatch.protocol.placement`); :meth:`~EngineSet.engine_died` is O(requests on that
+engine), state changes and snapshots O(engines).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Route(NamedTuple):
 class _Engine:
     """Mutable per-engine record (internal)."""
 
-    __slots__ = ("extra", "extra_epoch", "idle_epoch", "incarnation", "index", "reason", "requests", "state")
+    __slots__ = ("extra", "idle_epoch", "incarnation", "index", "pos", "reason", "requests", "state")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -102,10 +103,11 @@ class _Engine:
         # Bumped whenever the in-flight count returns to 0 (or the engine dies): what was
         # learnt about the engine's queue while it held our requests is void after that.
         self.idle_epoch = 0
-        # The placement policy's load beyond ``requests`` (from the engine's last report),
-        # counted while ``extra_epoch == idle_epoch``. Kept here so a decision reads one record.
+        # The placement policy's load beyond ``requests`` (from the engine's last report);
+        # 0.0 again whenever ``requests`` empties or the engine dies.
         self.extra = 0.0
-        self.extra_epoch = -1
+        # Position in ``EngineSet._up`` / ``_up_scores``, -1 when not up.
+        self.pos = -1
 
 
 def format_ranks(indices: Iterable[int]) -> str:
@@ -132,16 +134,29 @@ class EngineSet:
     caller, not conditions of the engines.
     """
 
-    __slots__ = ("_engines", "_table", "_up")
+    __slots__ = ("_engines", "_table", "_up", "_up_scores")
 
     def __init__(self) -> None:
         self._engines: dict[int, _Engine] = {}
         self._table: dict[str, _Engine] = {}
-        # The up engines, by index; rebuilt on every state change (rare), read per placement.
+        # The up engines by index, and each one's load (``len(requests) + extra``) kept
+        # current on every start, finish and report, so a placement is a ``min`` over a list
+        # of floats. Rebuilt on every state change (rare).
         self._up: list[_Engine] = []
+        self._up_scores: list[float] = []
 
     def _state_changed(self) -> None:
+        for e in self._engines.values():
+            e.pos = -1
         self._up = [e for _, e in sorted(self._engines.items()) if e.state is EngineState.UP]
+        for i, e in enumerate(self._up):
+            e.pos = i
+        self._up_scores = [len(e.requests) + e.extra for e in self._up]
+
+    def _set_extra(self, e: _Engine, extra: float) -> None:
+        e.extra = extra
+        if e.pos >= 0:
+            self._up_scores[e.pos] = len(e.requests) + extra
 
     # ------------------------------------------------------------------ engine events
 
@@ -179,6 +194,7 @@ class EngineSet:
             del table[rid]
         e.requests = {}
         e.idle_epoch += 1
+        e.extra = 0.0
         self._state_changed()
         return lost
 
@@ -283,6 +299,8 @@ class EngineSet:
             self.check_can_start(engine_index, request_id)
         e.requests[request_id] = None
         self._table[request_id] = e
+        if e.pos >= 0:
+            self._up_scores[e.pos] = len(e.requests) + e.extra
         return Route(engine_index, e.incarnation)
 
     def request_finished(self, request_id: str, route: Route | None = None) -> int | None:
@@ -304,6 +322,9 @@ class EngineSet:
         del requests[request_id]
         if not requests:
             e.idle_epoch += 1
+            e.extra = 0.0
+        if e.pos >= 0:
+            self._up_scores[e.pos] = len(requests) + e.extra
         return e.index
 
     # ------------------------------------------------------------------ queries
@@ -373,8 +394,8 @@ class EngineSet:
     def _records(self) -> dict[int, _Engine]:
         return self._engines
 
-    def _up_records(self) -> list[_Engine]:
-        return self._up
+    def _up_records(self) -> tuple[list[_Engine], list[float]]:
+        return self._up, self._up_scores
 
     def _start_on(self, e: _Engine, request_ids: Iterable[str]) -> None:
         table = self._table
@@ -382,3 +403,5 @@ class EngineSet:
         for rid in request_ids:
             requests[rid] = None
             table[rid] = e
+        if e.pos >= 0:
+            self._up_scores[e.pos] = len(requests) + e.extra
