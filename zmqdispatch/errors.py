@@ -40,6 +40,8 @@ __all__ = [
     "DeadlineExceeded",
     "EngineError",
     "EngineDeadError",
+    "EngineDrainingError",
+    "NoEngineAvailableError",
     "EngineHandshakeError",
     "EngineHandshakeTimeout",
     "UtilityCallError",
@@ -245,6 +247,23 @@ class EngineDeadError(EngineError):
     def __init__(self, message: str, *, engine_index: int | None = None, reason: str) -> None:
         super().__init__(message, engine_index=engine_index)
         self.reason = reason
+
+
+class EngineDrainingError(EngineError):
+    """The engine a request was pinned to (``data_parallel_rank``) is draining:
+    it finishes what it holds and takes nothing new. Nothing was sent."""
+
+
+class NoEngineAvailableError(EngineError):
+    """No engine is up to take an unpinned request (all draining or dead). Nothing was sent.
+
+    Attributes:
+        states: ``{engine_index: "draining" | "dead: <reason>"}`` for every known engine.
+    """
+
+    def __init__(self, message: str, *, states: dict[int, str]) -> None:
+        super().__init__(message)
+        self.states = states
 
 
 class EngineHandshakeError(EngineError):
