@@ -28,7 +28,9 @@ pair, pumps, ``EngineProtocol``, ``EngineLink``); :class:`EngineClient` the
 user-facing side of it.
 
 Per-request streams are *not* tasks: :meth:`EngineClient.generate` returns a
-:class:`RequestStream`, an ``async with`` context manager and async iterator
+:class:`~zmqdispatch.streams.RequestStream` (``generate_samples`` and
+``stream_group`` the other two shapes, all in ``streams.py``, which reach the
+client only through its :class:`_StreamHost`), an ``async with`` context manager and async iterator
 over :class:`~zmqdispatch.protocol.mailbox.OutputDelta`. Leaving it before the
 final output aborts the request on the engine, synchronously, so it works even
 when the exit is a cancellation (an ``await`` in a cancelled scope would raise
