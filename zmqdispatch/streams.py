@@ -302,8 +302,7 @@ class RequestStream:
         return trio.lowlevel.Abort.SUCCEEDED
 
     async def _receive(self) -> OutputDelta:
-        mb = self._mailbox
-        assert mb is not None
+        mb: Mailbox = self._mailbox  # type: ignore[assignment]  # set once entered; no assert per delivery
         await trio.lowlevel.checkpoint_if_cancelled()
         parked = False
         while True:
