@@ -3,7 +3,7 @@
 
 Decodes and routes pre-encoded ``EngineCoreOutputs`` messages (one row per
 live request, one token each) into an ``EngineProtocol`` whose C requests are
-members of one :class:`~zmqdispatch.multiplex.StreamGroup`, then takes the
+members of one :class:`~zmqdispatch.StreamGroup`, then takes the
 group's batch, as its reader would. ``cold``: 32 MiB are written between
 steps, as a real gateway's caches look after a 10 ms idle gap between engine
 steps. Reports the median and p90 nanoseconds per row (GC frozen and off:
@@ -20,7 +20,7 @@ import time
 
 from route_cost import _message, _requests
 
-from zmqdispatch.multiplex import StreamGroup, _Member
+from zmqdispatch.streams import GroupMember, StreamGroup
 from zmqdispatch.protocol.engine import EngineProtocol
 from zmqdispatch.protocol.runtime import Runtime
 
@@ -30,9 +30,9 @@ def measure(c: int, steps: int) -> dict[str, tuple[float, float]]:
     group = StreamGroup(None)  # no client: members are added directly, no trio
     for r in _requests(Runtime.VLLM, c):
         mb = p.submit(r)[0]
-        member = _Member(group, mb.request_id, mb)
+        member = GroupMember(group, mb.request_id, mb)
         group._members[member.request_id] = member
-        mb.waiter = member.hook
+        mb.waiter = member._hook
     while p.pop_send() is not None:
         pass
     messages = [_message(Runtime.VLLM, c, s) for s in range(16)]

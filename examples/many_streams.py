@@ -8,28 +8,32 @@ import sys
 
 import trio
 
-from zmqdispatch import connect
-from zmqdispatch.multiplex import open_stream_group
-from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_request
+from zmqdispatch import (
+    OutputDelta,
+    VllmTranslationConfig,
+    connect,
+    translate_vllm_request,
+)
+from zmqdispatch import vllm_pb as pb
 
 MOCK = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}"]
 
 
 async def main(handshake_address: str | None = None) -> None:
     async with connect(handshake_address, launch=None if handshake_address else MOCK) as client:
-        config = TranslationConfig(max_model_len=client.max_model_len)
+        config = VllmTranslationConfig(max_model_len=client.max_model_len)
         tokens: dict[str, int] = {}
-        async with open_stream_group(client) as group:  # leaving the block aborts what is still live
+        async with client.stream_group() as group:  # leaving the block aborts what is still live
             for i in range(100):
                 req = pb.GenerateRequest(request_id=f"r{i}", tokenized=pb.TokenizedInput(input_ids=[1, 2, 3 + i]),
                                          sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=16))
-                group.generate(translate_request(req, config).request)
-            async for batch in group:  # [(request_id, OutputDelta or the error that ended it)]
-                for request_id, item in batch:
-                    if isinstance(item, Exception):
-                        print(request_id, "failed:", item)
-                    else:
-                        tokens[request_id] = tokens.get(request_id, 0) + len(item.token_ids)
+                group.generate(translate_vllm_request(req, config).request)  # returns the member's handle
+            async for batch in group:  # [(member, OutputDelta or the typed error that ended it)]
+                for member, item in batch:
+                    if isinstance(item, OutputDelta):
+                        tokens[member.request_id] = tokens.get(member.request_id, 0) + len(item.token_ids)
+                    else:  # this request is done; the others go on
+                        print(member.request_id, "failed:", item)
                 if not len(group):  # every request delivered its end
                     break
         print(len(tokens), "requests,", sum(tokens.values()), "tokens")

@@ -8,9 +8,12 @@ import sys
 
 import trio
 
-from zmqdispatch import connect
-from zmqdispatch.fanout import generate_parallel
-from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel
+from zmqdispatch import (
+    TokenSpeedTranslationConfig,
+    connect,
+    translate_tokenspeed_samples,
+)
+from zmqdispatch import tokenspeed_pb as pb
 
 MOCK = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--runtime", "tokenspeed",
         "--handshake-address", "{handshake_address}"]
@@ -24,9 +27,9 @@ async def main(handshake_address: str | None = None) -> None:
             tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
             sampling_params=pb.SamplingParams(max_new_tokens=8, n=2, temperature=0.7),
         )
-        samples = translate_parallel(req, TranslationConfig(max_model_len=client.max_model_len))
+        samples = translate_tokenspeed_samples(req, TokenSpeedTranslationConfig(max_model_len=client.max_model_len))
         builders = [s.response_builder() for s in samples]
-        async with generate_parallel(client, [s.request for s in samples]) as merged:
+        async with client.generate_samples([s.request for s in samples]) as merged:
             async for index, delta in merged:
                 for response in builders[index].feed(delta):
                     if response.HasField("complete"):

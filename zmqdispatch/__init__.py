@@ -2,11 +2,16 @@
 
 Public API (vLLM v1 EngineCore wire, vLLM 0.32 / 0.33; TokenSpeed 0.1.1)::
 
-    async with zmqdispatch.connect(handshake_address, launch=...) as client:
-        t = translate.vllm.translate_request(proto_request, TranslationConfig(max_model_len=client.max_model_len))
-        async with client.generate(t.request) as stream:
+    from zmqdispatch import VllmTranslationConfig, connect, translate_vllm_request
+
+    async with connect(handshake_address, launch=...) as client:
+        t = translate_vllm_request(proto_request, VllmTranslationConfig(max_model_len=client.max_model_len))
+        async with client.generate(t.request) as stream:      # one request
             async for delta in stream:
                 ...
+
+``client.generate_samples(requests)`` (``n > 1``) and ``client.stream_group()``
+(many requests, one reader) are the other two streams (``docs/usage.md``).
 
 Layout: ``wire/`` sans-IO codecs; ``protocol/`` sans-IO per-engine state
 (request table, mailboxes, aborts, death); ``translate/`` gateway protos <->
@@ -26,23 +31,111 @@ try:
 except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-from .client import ClientConfig, EngineClient, EngineSession, LoRARequest, RequestStream, connect  # noqa: E402
-from . import errors  # noqa: E402
-from .errors import *  # noqa: F403,E402  (the public hierarchy, listed in errors.__all__)
-from .metrics import EngineStats  # noqa: E402
-from .protocol.deadlines import Deadlines  # noqa: E402
-from .protocol.mailbox import OutputDelta  # noqa: E402
+# The public names. Everything a gateway needs comes from here; the
+# submodules hold the rest (wire codecs, the sans-IO core, the mock engine).
+from . import errors
+from .client import ClientConfig, EngineClient, EngineSession, LoRARequest, connect
+from .errors import (
+    AddressBindError,
+    AddressError,
+    ContextLengthError,
+    DeadlineExceeded,
+    DuplicateRequestIdError,
+    EngineAbortedRequest,
+    EngineDeadError,
+    EngineError,
+    EngineHandshakeError,
+    EngineHandshakeTimeout,
+    EngineRequestError,
+    InvalidAddressError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    RequestError,
+    RequestRejected,
+    RequestStreamClosed,
+    RuntimeMismatchError,
+    SlowConsumerError,
+    UnsupportedByRuntimeError,
+    UtilityCallError,
+    UtilityCallTimeout,
+    ZmqDispatchError,
+)
+from .metrics import EngineStats
+from .protocol.deadlines import Deadlines
+from .protocol.mailbox import OutputDelta
+from .protocol.runtime import Runtime
+from .streams import (
+    EngineRequest,
+    GroupItem,
+    GroupMember,
+    RequestStream,
+    SampleStream,
+    StreamGroup,
+)
+from .translate.tokenspeed import ResponseBuilder as TokenSpeedResponseBuilder
+from .translate.tokenspeed import Translation as TokenSpeedTranslation
+from .translate.tokenspeed import TranslationConfig as TokenSpeedTranslationConfig
+from .translate.tokenspeed import pb as tokenspeed_pb
+from .translate.tokenspeed import translate_parallel as translate_tokenspeed_samples
+from .translate.tokenspeed import translate_request as translate_tokenspeed_request
+from .translate.vllm import ResponseBuilder as VllmResponseBuilder
+from .translate.vllm import Translation as VllmTranslation
+from .translate.vllm import TranslationConfig as VllmTranslationConfig
+from .translate.vllm import pb as vllm_pb
+from .translate.vllm import translate_parallel as translate_vllm_samples
+from .translate.vllm import translate_request as translate_vllm_request
 
-__all__ = [
-    "__version__",
+__all__ = [  # every public name, written out (static tools read this list)
+    "AddressBindError",
+    "AddressError",
     "ClientConfig",
+    "ContextLengthError",
+    "DeadlineExceeded",
     "Deadlines",
+    "DuplicateRequestIdError",
+    "EngineAbortedRequest",
     "EngineClient",
+    "EngineDeadError",
+    "EngineError",
+    "EngineHandshakeError",
+    "EngineHandshakeTimeout",
+    "EngineRequest",
+    "EngineRequestError",
     "EngineSession",
-    "LoRARequest",
     "EngineStats",
-    "RequestStream",
+    "GroupItem",
+    "GroupMember",
+    "InvalidAddressError",
+    "LoRARequest",
+    "LocalProtocolError",
     "OutputDelta",
+    "RemoteProtocolError",
+    "RequestError",
+    "RequestRejected",
+    "RequestStream",
+    "RequestStreamClosed",
+    "Runtime",
+    "RuntimeMismatchError",
+    "SampleStream",
+    "SlowConsumerError",
+    "StreamGroup",
+    "TokenSpeedResponseBuilder",
+    "TokenSpeedTranslation",
+    "TokenSpeedTranslationConfig",
+    "UnsupportedByRuntimeError",
+    "UtilityCallError",
+    "UtilityCallTimeout",
+    "VllmResponseBuilder",
+    "VllmTranslation",
+    "VllmTranslationConfig",
+    "ZmqDispatchError",
+    "__version__",
     "connect",
-    *errors.__all__,
+    "errors",
+    "tokenspeed_pb",
+    "translate_tokenspeed_request",
+    "translate_tokenspeed_samples",
+    "translate_vllm_request",
+    "translate_vllm_samples",
+    "vllm_pb",
 ]

@@ -32,7 +32,6 @@ from google.protobuf.message import Message
 
 from .client import EngineClient
 from .errors import RequestRejected, ZmqDispatchError
-from .fanout import generate_parallel
 from .protocol.deadlines import Deadlines
 
 __all__ = ["LineRejected", "RequestLine", "parse_requests", "run_requests", "split_lines"]
@@ -184,7 +183,7 @@ async def run_requests(
     Each request is translated against the engine (``translate(request,
     client.max_model_len, client.engine_index)``, the runtime's
     ``translate_parallel``: a prompt at or past ``max_model_len`` fails here)
-    and streamed through :func:`zmqdispatch.fanout.generate_parallel`; every
+    and streamed through :meth:`EngineClient.generate_samples <zmqdispatch.EngineClient.generate_samples>`; every
     response is written to *out* (default stdout) as one flushed line
     (:func:`response_line`), as it arrives. A request that fails (rejected by
     the engine's limits, an engine-side error, a deadline, the engine's
@@ -213,14 +212,14 @@ async def run_requests(
             async with limiter:
                 samples = translate(item.request, client.max_model_len, client.engine_index)
                 builders = [t.response_builder() for t in samples]
-                async with generate_parallel(client, [t.request for t in samples], deadlines=deadlines) as stream:
+                async with client.generate_samples([t.request for t in samples], deadlines=deadlines) as stream:
                     async for index, delta in stream:
                         builder = builders[index]
                         for response in builder.feed(delta):
                             stdout.write(response_line(rid, response) + "\n")
                             stdout.flush()
                         if builder.stopped_early:  # a stop string matched: stop that sample on the engine
-                            stream.close_child(index)
+                            stream.abort_sample(index)
         except ZmqDispatchError as exc:
             failed += 1
             stderr.write(f"zmqdispatch: error: request_id {json.dumps(rid)} failed: "

@@ -61,7 +61,6 @@ from .errors import (
 )
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
-from .fanout import generate_parallel
 from .mock.server import RUNTIMES
 from .protocol.deadlines import Deadlines
 from .protocol.runtime import Runtime
@@ -586,13 +585,13 @@ async def _dispatch(args: argparse.Namespace, req: object) -> int:
     async with _connect(args) as client:
         samples = _translate(args, req, client.max_model_len, client.engine_index)
         builders = [t.response_builder() for t in samples]
-        async with generate_parallel(client, [t.request for t in samples], deadlines=_deadlines(args)) as stream:
+        async with client.generate_samples([t.request for t in samples], deadlines=_deadlines(args)) as stream:
             async for index, delta in stream:
                 builder = builders[index]
                 for resp in builder.feed(delta):
                     _print(resp)
                 if builder.stopped_early:  # a stop string matched: stop that sample on the engine
-                    stream.close_child(index)
+                    stream.abort_sample(index)
     return EXIT_OK
 
 

@@ -28,7 +28,9 @@ pair, pumps, ``EngineProtocol``, ``EngineLink``); :class:`EngineClient` the
 user-facing side of it.
 
 Per-request streams are *not* tasks: :meth:`EngineClient.generate` returns a
-:class:`RequestStream`, an ``async with`` context manager and async iterator
+:class:`~zmqdispatch.streams.RequestStream` (``generate_samples`` and
+``stream_group`` the other two shapes, all in ``streams.py``, which reach the
+client only through its :class:`_StreamHost`), an ``async with`` context manager and async iterator
 over :class:`~zmqdispatch.protocol.mailbox.OutputDelta`. Leaving it before the
 final output aborts the request on the engine, synchronously, so it works even
 when the exit is a cancellation (an ``await`` in a cancelled scope would raise
@@ -37,6 +39,7 @@ when the exit is a cancellation (an ``await`` in a cancelled scope would raise
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -61,24 +64,23 @@ from ._zmq_trio import PeerUnreachable, SendTimeout, TrioSocket, ZmqContext, par
 from .errors import (
     AddressBindError,
     EngineDeadError,
-    LocalProtocolError,
     EngineHandshakeError,
     EngineHandshakeTimeout,
-    RequestStreamClosed,
     UtilityCallTimeout,
 )
 from .protocol import control
 from .metrics import EngineStats
 from .protocol.deadlines import Deadlines, DeadlineScheduler, TimedMailbox, effective_deadlines
-from .protocol.engine import EngineProtocol, LinkState, Outgoing, SendState
+from .protocol.engine import EngineProtocol, LinkState
 from .protocol.handshake import Handshake
 from .protocol.link import EngineLink, LinkAction, LinkDecision
 from .protocol.runtime import Runtime
 from .protocol.versions import EngineVersion, check_engine_version
-from .protocol.mailbox import Mailbox, OutputDelta
+from .protocol.mailbox import Mailbox
+from .streams import EngineRequest, RequestStream, SampleStream, StreamGroup, open_samples
 from .wire import vllm as wire
 
-__all__ = ["ClientConfig", "EngineClient", "EngineSession", "LoRARequest", "RequestStream", "connect"]
+__all__ = ["ClientConfig", "EngineClient", "EngineSession", "LoRARequest", "connect"]
 
 LoRARequest = control.LoRARequest
 
@@ -204,206 +206,37 @@ async def _park(obj: Any, attr: str = "waiter") -> None:
     await trio.lowlevel.wait_task_rescheduled(abort_fn)
 
 
-class RequestStream:
-    """One request's outputs: ``async with`` it, then iterate.
+class _StreamHost:
+    """The client's side of :class:`zmqdispatch.streams.StreamHost`: what the
+    streams (``streams.py``) may do to the engine link, and nothing else."""
 
-    ::
+    __slots__ = ("_client", "_protocol", "runtime")
 
-        async with client.generate(request) as stream:
-            async for delta in stream:       # OutputDelta, merged if you lag
-                ...
-
-    Nothing is sent before the stream is entered: entering registers the
-    request, queues its ADD and waits until the socket accepted it (a stream
-    that is never entered costs nothing on the engine). Iteration yields
-    :class:`OutputDelta` objects and stops after the one whose
-    ``finish_reason`` is set. Leaving the block before that (``break``, an
-    exception, a cancellation) aborts the request on the engine: the ABORT is
-    queued synchronously, batched with others, and sent by the input pump.
-
-    Raises (from ``__aenter__`` or iteration):
-        DuplicateRequestIdError: (entering) the ``request_id`` is live.
-        RequestRejected: (entering) the request passed validation but could
-            not be encoded for the wire (nothing was sent).
-        DeadlineExceeded: the request went past one of its ``deadlines``
-            (it was aborted on the engine).
-        EngineDeadError: the engine died (every open stream gets one).
-        EngineRequestError: the engine finished the request with an error.
-        SlowConsumerError: the consumer fell behind ``max_pending_tokens``.
-        RemoteProtocolError: this request's output did not decode, or the
-            engine's output connection dropped (a frame above
-            ``limits.MAX_FRAME_BYTES``) and its outputs may be lost.
-        RequestStreamClosed: iterating a stream that was aborted.
-    """
-
-    __slots__ = (
-        "_client", "request_id", "_request", "_mailbox", "_eof", "_closed", "_entered", "_receiving", "_task",
-        "_waker", "_aborter", "_deadlines",
-    )
-
-    def __init__(self, client: EngineClient, request_id: str, request: Any, deadlines: Deadlines | None = None) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self._client = client
-        self.request_id = request_id
-        self._request = request  # validated; submitted by __aenter__
-        self._deadlines = deadlines
-        self._mailbox: Mailbox | None = None
-        self._eof = False  # the final delta was handed to the consumer
-        self._closed = False  # aborted / exited before the final delta
-        self._entered = False
-        self._receiving = False
-        # The parked consumer and its wake / abort hooks, bound once per stream
-        # (a park per delivery is the hot path: no closures per park).
-        self._task: Any = None
-        self._waker = self._wake
-        self._aborter = self._abort_park
+        self._protocol = client._protocol
+        self.runtime: Runtime = client.runtime
 
-    def __repr__(self) -> str:
-        return f"<RequestStream {self.request_id!r} eof={self._eof} closed={self._closed} {self._mailbox!r}>"
+    def validate(self, request: EngineRequest, deadlines: Deadlines | None) -> Deadlines | None:
+        client = self._client
+        client.check_request(request)
+        in_force = effective_deadlines(deadlines)
+        p = self._protocol
+        p.check_alive()
+        p.check_request_id(self.runtime.request_id(request))
+        return in_force
 
-    async def __aenter__(self) -> RequestStream:
-        if self._entered:
-            raise LocalProtocolError(f"request {self.request_id!r}: a stream can be entered once")
-        self._entered = True
-        if self._closed:
-            raise RequestStreamClosed(
-                f"request {self.request_id!r}: the stream was closed before it was entered (nothing was sent)",
-                request_id=self.request_id,
-            )
-        if self._mailbox is None:
-            await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sends nothing
-            self._queue()  # raises DuplicateRequestIdError / EngineDeadError: nothing to undo
-        add = self._mailbox.add
-        try:
-            while add.state is SendState.QUEUED or add.state is SendState.SENDING:
-                await _park(add)
-            if add.state is SendState.FAILED:
-                self._closed = True
-                self._client._protocol.check_alive()
-                raise EngineDeadError("engine died before the request was sent", reason="closed")
-            if add.state is SendState.REJECTED:
-                self._closed = True
-                raise add.error  # RequestRejected: the request could not be encoded, nothing was sent
-            if add.state is SendState.CANCELLED:
-                self._closed = True
-                raise RequestStreamClosed(
-                    f"request {self.request_id!r} was aborted before it was sent", request_id=self.request_id
-                )
-            # Inside the try: a cancellation landing on this last checkpoint
-            # leaves without __aexit__, so it must abort here (no leak).
-            await trio.lowlevel.checkpoint()
-        except BaseException:
-            self.abort()
-            raise
-        return self
+    def is_live(self, request_id: str) -> bool:
+        return self._protocol.is_live(request_id)
 
-    def _queue(self) -> None:
-        """Register the request and queue its ADD now (``__aenter__`` does it;
-        fan-out calls it for every sample first, so their ADDs go out in order
-        and together). Idempotent."""
-        if self._mailbox is None and not self._closed:
-            self._mailbox = self._client._queue_request(self._request, self._deadlines)
-            self._request = None
+    def open(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
+        return self._client._queue_request(request, deadlines)
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.abort()
+    def abort(self, mailbox: Mailbox) -> None:
+        self._protocol.abort_mailbox(mailbox)
 
-    def abort(self) -> None:
-        """Abort the request now unless it already finished. Synchronous,
-        idempotent, never raises; iteration afterwards raises
-        :class:`RequestStreamClosed`."""
-        if not self._eof and not self._closed:
-            self._closed = True
-            if self._mailbox is not None:
-                self._client._protocol.abort_mailbox(self._mailbox)
-
-    async def aclose(self) -> None:
-        """Async alias of :meth:`abort` (a checkpoint)."""
-        self.abort()
-        await trio.lowlevel.checkpoint()
-
-    @property
-    def finished(self) -> bool:
-        """True once the final output was received or the stream was aborted."""
-        return self._eof or self._closed
-
-    async def receive(self) -> OutputDelta:
-        """The next :class:`OutputDelta` (merged ticks if the consumer lagged).
-
-        Cancellation: atomic; a cancelled receive leaves the pending delta in
-        the mailbox.
-
-        Raises:
-            trio.EndOfChannel: after the final delta was returned.
-            LocalProtocolError: the stream was not entered with ``async with``
-                (the request is aborted).
-            trio.BusyResourceError: another task is receiving on this stream.
-            plus the errors listed on the class.
-        """
-        if not self._entered:
-            # Iterating without `async with` would leave nothing to abort the
-            # request when the caller stops: refuse, and abort it now.
-            self.abort()
-            raise LocalProtocolError(
-                f"request {self.request_id!r}: enter the stream first (`async with client.generate(...) as stream`)"
-            )
-        if self._receiving:
-            raise trio.BusyResourceError(f"another task is already receiving on request {self.request_id!r}")
-        self._receiving = True
-        try:
-            return await self._receive()
-        finally:
-            self._receiving = False
-
-    def _wake(self) -> None:  # the mailbox's waiter: called once by the router task
-        task = self._task
-        self._task = None
-        trio.lowlevel.reschedule(task)
-
-    def _abort_park(self, _: Any) -> trio.lowlevel.Abort:
-        self._mailbox.waiter = None
-        self._task = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    async def _receive(self) -> OutputDelta:
-        mb = self._mailbox
-        await trio.lowlevel.checkpoint_if_cancelled()
-        parked = False
-        while True:
-            if self._eof:
-                raise trio.EndOfChannel
-            if self._closed:
-                raise RequestStreamClosed(f"request {self.request_id!r}: stream was aborted", request_id=self.request_id)
-            delta = mb.take()  # raises the stream's error once nothing is pending
-            if delta is not None:
-                if delta.finish_reason is not None:
-                    self._eof = True
-                if not parked:
-                    # Nothing waited yet: give the scheduler its turn. After a
-                    # park that turn was the park (one scheduler pass, not two).
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                return delta
-            self._task = trio.lowlevel.current_task()
-            mb.waiter = self._waker
-            await trio.lowlevel.wait_task_rescheduled(self._aborter)
-            parked = True
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> OutputDelta:
-        # receive() without its frame: the per-delivery path
-        if not self._entered or self._receiving:
-            try:
-                return await self.receive()  # raises the misuse errors
-            except trio.EndOfChannel:
-                raise StopAsyncIteration from None
-        self._receiving = True
-        try:
-            return await self._receive()
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
-        finally:
-            self._receiving = False
+    def check_alive(self) -> None:
+        self._protocol.check_alive()
 
 
 class EngineConnection:
@@ -815,13 +648,16 @@ class EngineClient:
             max_logprobs=self.config.max_logprobs,
         )
 
-    def generate(self, request: Any, *, deadlines: Deadlines | None = None) -> RequestStream:
-        """Validate and submit *request*; return its stream (use ``async with``).
+    def generate(self, request: EngineRequest, *, deadlines: Deadlines | None = None) -> RequestStream:
+        """Validate *request*; return its stream (use ``async with``).
 
         Args:
-            request: a ``wire.vllm.EngineCoreRequest`` for a vLLM engine, a
+            request: an :data:`~zmqdispatch.EngineRequest`: a
+                ``wire.vllm.EngineCoreRequest`` for a vLLM engine, a
                 ``wire.tokenspeed.TokenizedGenerateReqInput`` for TokenSpeed
-                (see :attr:`runtime`; :mod:`zmqdispatch.translate` builds both).
+                (see :attr:`runtime`; ``translate_vllm_request`` /
+                ``translate_tokenspeed_request`` build them). Its
+                ``sampling_params.n`` must be 1: ``n > 1`` is :meth:`generate_samples`.
             deadlines: optional time limits (:class:`~zmqdispatch.Deadlines`:
                 first token, total, stall between tokens), counted from
                 entering the stream; past one the request is aborted on the
@@ -829,7 +665,9 @@ class EngineClient:
 
         Synchronous: validates now; entering the stream (``async with``)
         queues the ADD and waits until the socket accepted it, so a stream
-        that is never entered sends nothing.
+        that is never entered sends nothing. Errors after that are raised
+        from the stream's ``receive()`` / iteration
+        (:class:`~zmqdispatch.RequestStream`).
 
         Raises:
             RuntimeMismatchError: the request is for the other runtime.
@@ -839,21 +677,47 @@ class EngineClient:
                 on entering).
             EngineDeadError: the engine is dead or the client closed.
         """
-        self.check_request(request)
-        deadlines = effective_deadlines(deadlines)
-        p = self._protocol
-        p.check_alive()
-        rid = self.runtime.request_id(request)
-        p.check_request_id(rid)
-        return RequestStream(self, rid, request, deadlines)
+        host = self._host
+        in_force = host.validate(request, deadlines)  # first: refuses the other runtime's request type
+        return RequestStream(host, self.runtime.request_id(request), request, in_force)
 
-    def _submit(self, request: Any, deadlines: Deadlines | None = None) -> tuple[Mailbox, Outgoing]:
-        """Validate and queue *request* now; its mailbox and ADD (StreamGroup, fan-out)."""
-        self.check_request(request)
-        mailbox = self._queue_request(request, effective_deadlines(deadlines))
-        return mailbox, mailbox.add
+    def generate_samples(self, requests: Sequence[EngineRequest], *, deadlines: Deadlines | None = None
+                         ) -> SampleStream:
+        """Validate the ``n`` samples of one parent request; return their merged
+        stream (use ``async with``), which yields ``(index, OutputDelta)``.
 
-    def _queue_request(self, request: Any, deadlines: Deadlines | None) -> Mailbox:
+        Args:
+            requests: the single-sample requests in index order, from
+                ``translate_vllm_samples`` / ``translate_tokenspeed_samples``
+                (ids ``<request_id>-<i>``, seeds ``seed + i``).
+            deadlines: applied to every sample; a sample past one fails the
+                parent with ``DeadlineExceeded`` like any failing sample.
+
+        Entering queues every sample's ADD in index order; leaving the block
+        (normally, on error, cancelled) aborts the live samples in one ABORT.
+        Errors are raised from the stream's ``receive()`` / iteration
+        (:class:`~zmqdispatch.SampleStream`).
+
+        Raises (nothing is sent for any sample):
+            RequestRejected: ``requests`` is empty (n = 0), or one fails validation.
+            RuntimeMismatchError: a request is for the other runtime.
+            DuplicateRequestIdError: two samples share an id, or one is live.
+            EngineDeadError: the engine is dead or the client closed.
+        """
+        return open_samples(self._host, requests, deadlines)
+
+    def stream_group(self) -> StreamGroup:
+        """A new :class:`~zmqdispatch.StreamGroup` on this engine (use ``async
+        with``): many requests read by one task, one batch per wake-up;
+        ``group.generate(request)`` adds one and returns its member handle.
+        Leaving the block aborts the live members in one ABORT."""
+        return StreamGroup(self._host)
+
+    @functools.cached_property
+    def _host(self) -> _StreamHost:
+        return _StreamHost(self)
+
+    def _queue_request(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
         """Register *request* (validated) and queue its ADD; start its
         *deadlines* (from :func:`effective_deadlines`)."""
         p = self._protocol
@@ -881,10 +745,6 @@ class EngineClient:
     @property
     def _output_links(self) -> int:
         return self._link.output_links
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests by id (synchronous, idempotent, batched into one ABORT)."""
-        self._protocol.abort(request_ids)
 
     def stats(self) -> EngineStats:
         """A snapshot of this engine link's counters and latency histograms

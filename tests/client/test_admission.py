@@ -11,7 +11,6 @@ import trio.testing
 
 from zmqdispatch import RequestRejected, limits
 from zmqdispatch.errors import LocalProtocolError
-from zmqdispatch.multiplex import open_stream_group
 from zmqdispatch.protocol import runtime
 from zmqdispatch.protocol.engine import EngineProtocol
 from zmqdispatch.wire import vllm as wire
@@ -115,7 +114,7 @@ async def test_in_a_stream_group_it_ends_that_request_alone(monkeypatch):
     _unencodable(monkeypatch, "bad")
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
-            async with open_stream_group(client) as group:
+            async with client.stream_group() as group:
                 group.generate(make_request("a", max_tokens=1))
                 group.generate(make_request("bad"))
                 group.generate(make_request("b", max_tokens=1))
@@ -124,20 +123,19 @@ async def test_in_a_stream_group_it_ends_that_request_alone(monkeypatch):
                                            out("b", [2], wire.FinishReason.LENGTH)])
                 items: dict[str, object] = {}
                 while len(group):
-                    for rid, item in await group.receive():
-                        items[rid] = item
+                    for member, item in await group.receive():
+                        items[member.request_id] = item
                 assert isinstance(items["bad"], RequestRejected) and items["bad"].request_id == "bad"
                 assert items["a"].token_ids == [1] and items["b"].token_ids == [2]
 
 
 async def test_in_a_fan_out_it_fails_the_parent_and_aborts_the_siblings(monkeypatch):
-    from zmqdispatch.fanout import generate_parallel
 
     _unencodable(monkeypatch, "p-1")
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
             with pytest.raises(RequestRejected) as ei:
-                async with generate_parallel(client, [make_request(f"p-{i}") for i in range(3)]) as merged:
+                async with client.generate_samples([make_request(f"p-{i}") for i in range(3)]) as merged:
                     async for _ in merged:
                         pass  # pragma: no cover
             assert ei.value.request_id == "p-1"

@@ -9,8 +9,6 @@ import pytest
 import trio
 
 from zmqdispatch import Deadlines, DeadlineExceeded, EngineStats, RequestError
-from zmqdispatch.fanout import generate_parallel
-from zmqdispatch.multiplex import open_stream_group
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request
@@ -90,17 +88,17 @@ async def test_an_earlier_deadline_submitted_later_wakes_the_one_timer_task(mock
 async def test_deadlines_in_a_stream_group_and_in_fan_out(mock_clock):
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
-            async with open_stream_group(client) as group:
+            async with client.stream_group() as group:
                 group.generate(make_request("g1"), deadlines=Deadlines(first_token=2.0))
                 group.generate(make_request("g2"))
                 await engine.receive_add()
                 await engine.receive_add()
-                ((rid, item),) = await group.receive()
-                assert rid == "g1" and isinstance(item, DeadlineExceeded)
+                ((member, item),) = await group.receive()
+                assert member.request_id == "g1" and isinstance(item, DeadlineExceeded)
                 assert len(group) == 1
                 assert await engine.receive_abort() == ("g1",)
             assert await engine.receive_abort() == ("g2",)  # left the group
-            async with generate_parallel(client, [make_request("p-0"), make_request("p-1")],
+            async with client.generate_samples([make_request("p-0"), make_request("p-1")],
                                          deadlines=Deadlines(stall=1.0)) as merged:
                 for _ in range(2):
                     await engine.receive_add()
@@ -119,7 +117,7 @@ async def test_deadlines_of_the_wrong_type_are_refused_before_anything_is_sent()
         with pytest.raises(RequestRejected) as ei:
             client.generate(make_request("r1"), deadlines={"total": 1.0})
         assert ei.value.field == "deadlines"
-        async with open_stream_group(client) as group:
+        async with client.stream_group() as group:
             with pytest.raises(RequestRejected):
                 group.generate(make_request("r2"), deadlines=5)
         assert client.stats().requests == 0

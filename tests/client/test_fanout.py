@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqdispatch import DuplicateRequestIdError, EngineDeadError, EngineRequestError, RequestRejected
-from zmqdispatch.fanout import generate_parallel
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
 from zmqdispatch.wire import vllm as wire
 
@@ -47,7 +46,7 @@ def test_child_ids_and_seeds_follow_the_documented_rule():
 async def test_children_merge_tagged_in_order_and_the_parent_waits_for_all():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
-            async with generate_parallel(client, children(3)) as ps:
+            async with client.generate_samples(children(3)) as ps:
                 adds = [await engine.receive_add() for _ in range(3)]
                 assert [a.request_id for a in adds] == ["p-0", "p-1", "p-2"]
                 assert [a.sampling_params.seed for a in adds] == [7, 8, 9]
@@ -70,7 +69,7 @@ async def test_children_merge_tagged_in_order_and_the_parent_waits_for_all():
 async def test_leaving_the_parent_sends_one_abort_for_the_live_children(finished_first):  # K6
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
-            async with generate_parallel(client, children(4)) as ps:
+            async with client.generate_samples(children(4)) as ps:
                 for _ in range(4):
                     await engine.receive_add()
                 if finished_first is not None:
@@ -96,7 +95,7 @@ async def test_cancelling_the_parent_aborts_every_child_once():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
             with trio.CancelScope() as scope:
-                async with generate_parallel(client, children(3)) as ps:
+                async with client.generate_samples(children(3)) as ps:
                     for _ in range(3):
                         await engine.receive_add()
                     async with trio.open_nursery() as n:
@@ -112,7 +111,7 @@ async def test_a_failing_child_aborts_its_siblings_and_the_parent_raises_one_err
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
             with pytest.raises(EngineRequestError) as ei:
-                async with generate_parallel(client, children(3)) as ps:
+                async with client.generate_samples(children(3)) as ps:
                     for _ in range(3):
                         await engine.receive_add()
                     await engine.send_outputs([out("p-0", [1]), out("p-1", [], wire.FinishReason.ERROR)])
@@ -131,7 +130,7 @@ async def test_a_child_failing_mid_stream_on_virtual_time(mock_clock):
         t0 = trio.current_time()
         got: dict[int, list[int]] = {0: [], 1: [], 2: []}
         with pytest.raises(EngineRequestError) as ei:
-            async with generate_parallel(client, children(3)) as ps:
+            async with client.generate_samples(children(3)) as ps:
                 for _ in range(3):
                     await engine.receive_add()
 
@@ -157,7 +156,7 @@ async def test_engine_silence_mid_stream_fails_the_parent_once_on_virtual_time(m
     async with fake_pair(silence_timeout=30.0) as (engine, client):
         t0 = trio.current_time()
         with pytest.raises(EngineDeadError) as ei:
-            async with generate_parallel(client, children(3)) as ps:
+            async with client.generate_samples(children(3)) as ps:
                 for _ in range(3):
                     await engine.receive_add()
                 await engine.send_outputs([out(f"p-{i}", [1]) for i in range(3)])
@@ -171,7 +170,7 @@ async def test_engine_death_fails_the_parent_with_one_typed_error():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
             with pytest.raises(EngineDeadError):
-                async with generate_parallel(client, children(2)) as ps:
+                async with client.generate_samples(children(2)) as ps:
                     for _ in range(2):
                         await engine.receive_add()
                     await engine.send_sentinel()
@@ -186,7 +185,7 @@ async def test_a_sample_that_finished_right_before_a_death_still_delivers_its_fi
         with trio.fail_after(GUARD):
             got: list[tuple[int, list[int], object]] = []
             with pytest.raises(EngineDeadError) as ei:
-                async with generate_parallel(client, children(3)) as ps:
+                async with client.generate_samples(children(3)) as ps:
                     for _ in range(3):
                         await engine.receive_add()
                     await engine.send_outputs([out("p-0", [7, 8], wire.FinishReason.STOP), out("p-1", [9])])
@@ -208,7 +207,7 @@ async def test_a_failing_sample_never_drops_what_its_siblings_had_received():
         with trio.fail_after(GUARD):
             got: dict[int, list[int]] = {0: [], 1: [], 2: []}
             with pytest.raises(EngineRequestError):
-                async with generate_parallel(client, children(3)) as ps:
+                async with client.generate_samples(children(3)) as ps:
                     for _ in range(3):
                         await engine.receive_add()
                     await engine.send_outputs([out("p-0", [1]), out("p-2", [5])])
@@ -227,13 +226,13 @@ async def test_colliding_child_ids_are_refused_before_anything_is_sent():
             async with client.generate(make_request("p-1")):
                 await engine.receive_add()
                 with pytest.raises(DuplicateRequestIdError) as ei:
-                    async with generate_parallel(client, children(3)):
+                    async with client.generate_samples(children(3)):
                         pass  # pragma: no cover
                 assert ei.value.request_id == "p-1"
                 assert client.protocol.inflight == 1
             assert await engine.receive_abort() == ("p-1",)  # only the other request's own abort
             with pytest.raises(RequestRejected):
-                async with generate_parallel(client, []):
+                async with client.generate_samples([]):
                     pass  # pragma: no cover
 
 
@@ -258,7 +257,7 @@ def test_any_interleaving_and_cancellation_point(script):
                 sent = {i: 0 for i in range(n)}
                 got: dict[int, list[int]] = {i: [] for i in range(n)}
                 finished = set()
-                async with generate_parallel(client, children(n)) as ps:
+                async with client.generate_samples(children(n)) as ps:
                     for _ in range(n):
                         await engine.receive_add()
                     batch = []
@@ -291,17 +290,17 @@ def test_any_interleaving_and_cancellation_point(script):
 
 
 async def test_closing_one_sample_never_aborts_its_siblings_even_when_it_is_blocked():
-    """A sample closed with close_child (e.g. its stop string matched) while its
+    """A sample closed with abort_sample (e.g. its stop string matched) while its
     task is blocked handing a delta to a lagging parent aborts only itself."""
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
-            async with generate_parallel(client, children(3)) as ps:
+            async with client.generate_samples(children(3)) as ps:
                 for _ in range(3):
                     await engine.receive_add()
                 for step in range(4):  # more deltas than the merged channel holds: children block
                     await engine.send_outputs([out(f"p-{i}", [step]) for i in range(3)])
                 await trio.testing.wait_all_tasks_blocked()
-                ps.close_child(0)
+                ps.abort_sample(0)
                 assert await engine.receive_abort() == ("p-0",)
                 await engine.send_outputs([out(f"p-{i}", [9], wire.FinishReason.LENGTH) for i in (1, 2)])
                 finished = set()
@@ -319,7 +318,7 @@ async def test_an_outer_cancellation_surfaces_as_a_bare_cancelled():
             caught = []
             with trio.CancelScope() as scope:
                 try:
-                    async with generate_parallel(client, children(2)) as ps:
+                    async with client.generate_samples(children(2)) as ps:
                         for _ in range(2):
                             await engine.receive_add()
                         scope.cancel()
@@ -332,11 +331,11 @@ async def test_an_outer_cancellation_surfaces_as_a_bare_cancelled():
 
 async def test_closing_a_sample_that_finished_unread_never_aborts_a_newer_request_with_its_id():
     # Second fresh-clone review: sample p-0 finished on the engine, its last delta
-    # not read yet; another caller started its own "p-0". close_child (and leaving
+    # not read yet; another caller started its own "p-0". abort_sample (and leaving
     # the parent) aborted by id and killed that request.
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
-            async with generate_parallel(client, children(2)) as ps:
+            async with client.generate_samples(children(2)) as ps:
                 for _ in range(2):
                     await engine.receive_add()
                 # The caller reads nothing: sample 0's task fills the merged
@@ -356,7 +355,7 @@ async def test_closing_a_sample_that_finished_unread_never_aborts_a_newer_reques
                 assert ps.live_indices == [0, 1]
                 async with client.generate(make_request("p-0")) as other:
                     assert (await engine.receive_add()).request_id == "p-0"
-                    ps.close_child(0)
+                    ps.abort_sample(0)
                     assert client.protocol.is_live("p-0")
                     await engine.send_tokens("p-0", [7], wire.FinishReason.STOP)
                     assert [d.token_ids async for d in other] == [[7]]

@@ -9,7 +9,6 @@ import trio.testing
 
 from zmqdispatch import ClientConfig, connect
 from zmqdispatch.errors import DuplicateRequestIdError, EngineAbortedRequest, EngineDeadError, LocalProtocolError
-from zmqdispatch.multiplex import open_stream_group
 from zmqdispatch.wire import vllm as wire
 
 from ..faults.engines import mock_argv
@@ -27,7 +26,8 @@ async def drain(group) -> tuple[dict[str, list], dict[str, BaseException], int]:
     while len(group):
         batch = await group.receive()
         batches += bool(batch)
-        for rid, item in batch:
+        for member, item in batch:
+            rid = member.request_id
             assert rid not in done, f"{rid} delivered after its terminal item"
             if isinstance(item, BaseException):
                 errors[rid] = item
@@ -39,19 +39,20 @@ async def drain(group) -> tuple[dict[str, list], dict[str, BaseException], int]:
     return tokens, errors, batches
 
 
-async def finished_unread(client, group, rid: str, tokens: int) -> None:
+async def finished_unread(client, group, rid: str, tokens: int):
     """Add *rid* to *group* and wait until the engine finished it (the connection
     no longer holds it) while the group's reader has not taken its items."""
-    group.generate(make_ts_request(rid, max_new_tokens=tokens))
+    member = group.generate(make_ts_request(rid, max_new_tokens=tokens))
     with trio.fail_after(5):
         while client.protocol.is_live(rid):
             await trio.sleep(0.005)
+    return member
 
 
 async def test_one_reader_gets_every_stream_in_batches():
     async with tokenspeed_pair() as (engine, client):
-        async with open_stream_group(client) as group:
-            ids = [group.generate(make_ts_request(f"g{i}", max_new_tokens=20)) for i in range(50)]
+        async with client.stream_group() as group:
+            ids = [group.generate(make_ts_request(f"g{i}", max_new_tokens=20)).request_id for i in range(50)]
             assert len(group) == 50
             with trio.fail_after(20):
                 tokens, errors, batches = await drain(group)
@@ -66,7 +67,7 @@ async def test_vllm_engine_and_request_order_is_kept():
     with trio.fail_after(30):
         async with connect(launch=mock_argv("{handshake_address}", "--step-interval-ms", "1"),
                            config=ClientConfig(handshake_timeout=20)) as client:
-            async with open_stream_group(client) as group:
+            async with client.stream_group() as group:
                 for i in range(10):
                     group.generate(make_request(f"v{i}", max_tokens=30))
                 tokens, errors, _ = await drain(group)
@@ -79,16 +80,17 @@ async def test_vllm_engine_and_request_order_is_kept():
 
 async def test_abort_one_and_leave_aborts_the_rest():
     async with tokenspeed_pair() as (engine, client):
-        async with open_stream_group(client) as group:
-            for i in range(4):
-                group.generate(make_ts_request(f"a{i}", max_new_tokens=100_000))
+        async with client.stream_group() as group:
+            members = [group.generate(make_ts_request(f"a{i}", max_new_tokens=100_000)) for i in range(4)]
             await group.receive()
-            group.abort(["a1"])
+            members[1].abort()
+            members[1].abort()  # idempotent
+            assert members[1].finished and not members[0].finished
             assert len(group) == 3 and not client.protocol.is_live("a1")
             with trio.fail_after(5):
                 for _ in range(3):
                     batch = await group.receive()
-                    assert "a1" not in {rid for rid, _ in batch}
+                    assert members[1] not in {m for m, _ in batch}
         assert client.protocol.inflight == 0
         with trio.fail_after(5):
             while engine.core.running:
@@ -98,7 +100,7 @@ async def test_abort_one_and_leave_aborts_the_rest():
 
 async def test_a_failing_request_is_an_item_and_the_others_go_on():
     async with tokenspeed_pair(engine_kw={"enable_output_logprobs": False}) as (engine, client):
-        async with open_stream_group(client) as group:
+        async with client.stream_group() as group:
             group.generate(make_ts_request("bad", return_logprob=True))
             group.generate(make_ts_request("ok", max_new_tokens=5))
             with trio.fail_after(10):
@@ -109,7 +111,7 @@ async def test_a_failing_request_is_an_item_and_the_others_go_on():
 
 async def test_engine_death_is_one_item_per_request():
     async with tokenspeed_pair(engine_kw={"faults": (("sentinel", 3),)}) as (engine, client):
-        async with open_stream_group(client) as group:
+        async with client.stream_group() as group:
             for i in range(5):
                 group.generate(make_ts_request(f"d{i}", max_new_tokens=10_000))
             with trio.fail_after(10):
@@ -120,7 +122,7 @@ async def test_engine_death_is_one_item_per_request():
 
 async def test_a_cancelled_receive_loses_nothing_and_misuse_is_refused():
     async with tokenspeed_pair(engine_kw={"step_interval": 0.05}) as (engine, client):
-        async with open_stream_group(client) as group:
+        async with client.stream_group() as group:
             with trio.move_on_after(0.001):
                 await group.receive()  # nothing yet: parked, then cancelled
             group.generate(make_ts_request("c", max_new_tokens=3))
@@ -147,7 +149,7 @@ async def test_an_id_is_refused_until_its_terminal_item_was_received():
     # reader has not taken its last delta: reusing "r" in the group then would
     # mix the two requests' items, or lose the first one's end.
     async with tokenspeed_pair() as (engine, client):
-        async with open_stream_group(client) as group:
+        async with client.stream_group() as group:
             await finished_unread(client, group, "r", 2)
             with pytest.raises(DuplicateRequestIdError, match="'r'") as info:
                 group.generate(make_ts_request("r", max_new_tokens=3))
@@ -174,10 +176,10 @@ async def test_reusing_an_id_right_after_an_abort_gets_only_its_own_outputs(grou
                            config=ClientConfig(handshake_timeout=20)) as client:
             for i in range(50):
                 if group:
-                    async with open_stream_group(client) as g:
-                        g.generate(make_request("X", max_tokens=2))
+                    async with client.stream_group() as g:
+                        first = g.generate(make_request("X", max_tokens=2))
                         await g.receive()
-                        g.abort(["X"])
+                        g.abort([first])
                         g.generate(make_request("X", max_tokens=40))
                         tokens, errors, _ = await drain(g)
                     got = tokens.get("X", [])
@@ -205,10 +207,10 @@ async def test_group_abort_never_touches_another_callers_request_with_the_same_i
     # another caller then started its own "x". Aborting the group's "x" (or
     # leaving the group) aborted by id and killed the other caller's request.
     async with tokenspeed_pair() as (engine, client):
-        async with open_stream_group(client) as group:
-            await finished_unread(client, group, "x", 1)
+        async with client.stream_group() as group:
+            mine = await finished_unread(client, group, "x", 1)
             async with client.generate(make_ts_request("x", max_new_tokens=5)) as other:
-                group.abort(["x"])
+                mine.abort()
                 assert client.protocol.is_live("x")
                 with trio.fail_after(5):
                     got = [t async for d in other for t in d.token_ids]

@@ -16,7 +16,6 @@ from zmqdispatch.errors import (
     RuntimeMismatchError,
     UnsupportedByRuntimeError,
 )
-from zmqdispatch.fanout import generate_parallel
 from zmqdispatch.mock.core import mock_token
 from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel
@@ -63,7 +62,7 @@ async def test_a_vllm_request_is_refused_by_a_tokenspeed_client_and_vice_versa()
         with pytest.raises(RuntimeMismatchError):
             client.generate(make_request("v1"))
         with pytest.raises(RuntimeMismatchError):
-            async with generate_parallel(client, [make_request("v1")]):
+            async with client.generate_samples([make_request("v1")]):
                 pass
         assert engine.core.requests_received == 0
     async with fake_pair() as (_, client):
@@ -158,7 +157,7 @@ async def test_fan_out_runs_end_to_end_and_responses_are_the_tokenspeed_package(
         samples = translate_parallel(req, TranslationConfig(max_model_len=client.max_model_len))
         builders = [t.response_builder() for t in samples]
         responses: list[pb.GenerateResponse] = []
-        async with generate_parallel(client, [t.request for t in samples]) as merged:
+        async with client.generate_samples([t.request for t in samples]) as merged:
             async for index, delta in merged:
                 responses += builders[index].feed(delta)
         completes = {r.complete.index: r.complete for r in responses if r.HasField("complete")}
@@ -174,7 +173,7 @@ async def test_fan_out_runs_end_to_end_and_responses_are_the_tokenspeed_package(
 async def test_leaving_a_fan_out_early_aborts_every_sample_in_one_abort():
     async with tokenspeed_pair() as (engine, client):
         reqs = [make_ts_request(f"p-{i}", max_new_tokens=100_000, temperature=0.9, seed=i) for i in range(4)]
-        async with generate_parallel(client, reqs) as merged:
+        async with client.generate_samples(reqs) as merged:
             async for _index, _delta in merged:
                 break
         assert client.protocol.inflight == 0

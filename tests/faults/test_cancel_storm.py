@@ -6,7 +6,7 @@ Every way a request can be left early is drawn at random, at a random point
 of its life: a cancelled scope before ``async with`` (the ADD is withdrawn),
 a timeout that fires while the ADD is queued, sent, or the stream is parked,
 ``break`` after k deltas, an exception out of the block, ``stream.abort()``,
-``client.abort([id])`` from the outside, and an ``n=3`` fan-out parent
+``await stream.aclose()``, and an ``n=3`` fan-out parent
 cancelled mid-stream (one cancellation of three engine requests).
 
 Checked afterwards:
@@ -35,7 +35,6 @@ import pytest
 import trio
 
 from zmqdispatch import ClientConfig, RequestStreamClosed, connect
-from zmqdispatch.fanout import generate_parallel
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
 
 from ..helpers import make_request
@@ -78,7 +77,7 @@ async def storm(
     tconfig = TranslationConfig(max_model_len=client.max_model_len)
 
     async def one(i: int) -> None:
-        mode = rng.choice(("pre_cancelled", "timeout", "break", "raise", "abort", "abort_by_id", "fanout"))
+        mode = rng.choice(("pre_cancelled", "timeout", "break", "raise", "abort", "aclose", "fanout"))
         modes[mode] = modes.get(mode, 0) + 1
         rid = f"{prefix}{i}"
         mode_of[rid] = mode
@@ -98,7 +97,7 @@ async def storm(
                 # Cancelled at the last checkpoint of RequestStream.__aenter__
                 # must still have aborted the request (no __aexit__ runs then).
                 entry_leaks.append(rid)
-        elif mode in ("break", "raise", "abort", "abort_by_id"):
+        elif mode in ("break", "raise", "abort", "aclose"):
             k = rng.randint(0, 3)
             try:
                 async with client.generate(make_request(rid, max_tokens=500)) as s:
@@ -114,7 +113,7 @@ async def storm(
                         if mode == "abort":
                             s.abort()
                         else:
-                            client.abort([rid])
+                            await s.aclose()
                         try:
                             await s.receive()  # raises: the stream was aborted
                         except trio.EndOfChannel:
@@ -129,7 +128,7 @@ async def storm(
                                      sampling_params=pb.SamplingParams(temperature=0.8, max_tokens=500, n=3))
             samples = translate_parallel(req, tconfig)
             with trio.move_on_after(rng.uniform(0, 0.02)):
-                async with generate_parallel(client, [s.request for s in samples]) as merged:
+                async with client.generate_samples([s.request for s in samples]) as merged:
                     async for _ in merged:
                         pass
 
@@ -183,7 +182,7 @@ async def test_a_cancellation_at_the_end_of_stream_entry_aborts_the_request():
     async with fake_pair() as (engine, client):
         with trio.fail_after(10):
             s = client.generate(make_request("r1"))
-            s._queue()  # queue the ADD before entering (as fan-out does)
+            s._open()  # queue the ADD before entering (as SampleStream does)
             await engine.receive_add()  # the ADD was sent: __aenter__ will not park
             body = False
             with trio.move_on_after(1e-6) as scope:  # expires at __aenter__'s last checkpoint

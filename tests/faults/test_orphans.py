@@ -75,7 +75,7 @@ async def test_resume_aborts_what_a_send_timeout_death_left_on_the_engine_before
             received = thaw(nursery, engine)
             async with connect(config=cfg, resume=session) as client:
                 s = client.generate(make_request("r0"))  # reuses an orphan's id
-                s._queue()  # its ADD now; entered below, once the engine saw it
+                s._open()  # its ADD now; entered below, once the engine saw it
                 got_adds = []
                 while (msg := await received.receive()).kind == wire.RequestType.ADD:
                     got_adds.append(msg.value.request_id)  # buffered from the frozen link

@@ -52,7 +52,7 @@ def test_a_valid_request_passes():
         ({"regex": "a", "ebnf": "root ::= 'a'"}, "sampling_params.json_schema", "only one of"),
         ({"json_schema": "{not json"}, "sampling_params.json_schema", "not valid JSON"),
         ({"json_schema": "[" * 70 + "]" * 70}, "sampling_params.json_schema", "64 levels"),
-        ({"n": 2}, "sampling_params.n", "generate_parallel"),
+        ({"n": 2}, "sampling_params.n", "generate_samples"),
         ({"stop": ("x",)}, "sampling_params.stop", "matched on the client"),
         ({"seed": -1}, "sampling_params.seed", r"2\*\*64"),
         ({"seed": 2**64}, "sampling_params.seed", None),

@@ -120,7 +120,6 @@ async def test_logprobs_match_vllms_own_llm(real_engine, reference):
 async def test_n3_with_a_seed_matches_vllms_own_parallel_sampling(real_engine, reference):
     """n=3, seed 7: each index gets the same tokens as vLLM's own LLM.generate
     (vLLM seeds child i with seed + i, as we do)."""
-    from zmqdispatch.fanout import generate_parallel
     from zmqdispatch.translate.vllm import translate_parallel
 
     case = REFERENCE_CASES["n3_seed7"]
@@ -133,7 +132,7 @@ async def test_n3_with_a_seed_matches_vllms_own_parallel_sampling(real_engine, r
     with trio.fail_after(GUARD):
         async with connect(config=real_engine.config, resume=real_engine.session) as client:
             samples = translate_parallel(req, TranslationConfig(max_model_len=client.max_model_len))
-            async with generate_parallel(client, [t.request for t in samples]) as ps:
+            async with client.generate_samples([t.request for t in samples]) as ps:
                 async for index, delta in ps:
                     got[index] += delta.token_ids
     assert [got[i] for i in range(3)] == [c["token_ids"] for c in reference["n3_seed7"]]

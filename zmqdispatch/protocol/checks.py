@@ -110,7 +110,7 @@ def check_sampling_params(
     if sp.seed is not None and not _is_int(sp.seed):
         raise bad("seed", f"must be an int or unset, got {sp.seed!r}")
     if sp.n != 1:
-        raise bad("n", f"must be 1 on the wire, got {sp.n!r}: fan n > 1 out with zmqdispatch.fanout.generate_parallel")
+        raise bad("n", f"must be 1 on the wire, got {sp.n!r}: fan n > 1 out with EngineClient.generate_samples")
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(sp, name)
         if v is None:
@@ -328,7 +328,7 @@ def check_tokenspeed_request(
         raise _reject(rid, "sampling_params", f"must be TokenSpeedSamplingParams, got {type(sp).__name__}")
     if sp.n != 1:
         raise _reject(rid, "sampling_params.n",
-                      f"must be 1 on the wire, got {sp.n!r}: fan n > 1 out with zmqdispatch.fanout.generate_parallel")
+                      f"must be 1 on the wire, got {sp.n!r}: fan n > 1 out with EngineClient.generate_samples")
     if sp.stop or sp.stop_strs:
         raise _reject(rid, "sampling_params.stop",
                       "stop strings are matched on the client (translate with a tokenizer), not sent")

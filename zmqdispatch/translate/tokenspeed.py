@@ -481,7 +481,7 @@ class ResponseBuilder:
         self.done = False
         #: True when a client-side stop string ended the stream before the engine
         #: finished: the caller must abort the engine request (leaving the stream's
-        #: ``async with`` does; ``ParallelStream.close_child`` for a sample).
+        #: ``async with`` does; ``SampleStream.abort_sample`` for a sample).
         self.stopped_early = False
 
     def _logprobs(self, values: Sequence[float], ids: Sequence[int]) -> pb.OutputLogProbs:

@@ -646,7 +646,7 @@ class ResponseBuilder:
         self._matcher = stop_matcher
         #: True when a client-side stop string ended the stream before the
         #: engine finished: the caller must abort the engine request (leaving
-        #: the stream's ``async with`` does; ``ParallelStream.close_child`` for
+        #: the stream's ``async with`` does; ``SampleStream.abort_sample`` for
         #: a sample).
         self.stopped_early = False
         self._prompt_tokens = prompt_len
