@@ -34,6 +34,7 @@ import errno
 import math
 import uuid
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import trio
 import zmq
@@ -87,7 +88,7 @@ class ZmqContext:
     """
 
     def __init__(self) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
     def socket(
         self,
@@ -135,11 +136,11 @@ class TrioSocket:
 
     __slots__ = ("_sock", "name", "_guard", "_fd", "_closed")
 
-    def __init__(self, sock: zmq.Socket, name: str) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], name: str) -> None:
         self._sock = sock
         self.name = name
         self._guard = _ConflictDetector(f"another task is using zmq socket {name!r}")
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._fd = cast(int, sock.getsockopt(zmq.FD))  # pyzmq types every option int | bytes
         self._closed = False
 
     def __repr__(self) -> str:
@@ -297,7 +298,7 @@ class TrioSocket:
                     # unthrottled (a send does so at most once per ~1 ms), and
                     # once it reports "no room" the next change rings the fd
                     # (docs/trio-and-zmq.md §2.2).
-                    if self._sock.getsockopt(zmq.EVENTS) & _POLLOUT:
+                    if cast(int, self._sock.getsockopt(zmq.EVENTS)) & _POLLOUT:
                         if self._try_send(frames):
                             return
                         # POLLOUT on a ROUTER means "some pipe has room", not
@@ -365,7 +366,7 @@ _BIND_ERRNOS = frozenset({
 
 
 def _address_error(exc: zmq.ZMQError, address: str, role: str, verb: str) -> Exception:
-    message = f"{role}: cannot {verb} {address!r}: {zmq.strerror(exc.errno)}"
+    message = f"{role}: cannot {verb} {address!r}: {zmq.strerror(exc.errno) if exc.errno is not None else exc}"
     if exc.errno in _BIND_ERRNOS:
         return AddressBindError(message, address=address, role=role, errno=exc.errno)
     return InvalidAddressError(message, address=address, role=role)

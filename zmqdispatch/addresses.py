@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 
 from .errors import InvalidAddressError
 
@@ -86,7 +87,7 @@ def check_address(address: object, *, role: str = "address", bind: bool = True, 
     return address
 
 
-def _check_tcp(rest: str, bad, *, bind: bool, any_port: bool) -> None:
+def _check_tcp(rest: str, bad: Callable[[str], InvalidAddressError], *, bind: bool, any_port: bool) -> None:
     host, sep, port = rest.rpartition(":")
     if not sep or not host:
         raise bad("expected tcp://HOST:PORT (host and port both required)")

@@ -280,9 +280,9 @@ class StatsCollector:
             ("zmqdispatch_inter_token_latency_seconds", "inter_token_latency",
              "Seconds between receipts of a request's consecutive token outputs."),
         ):
-            fam = HistogramMetricFamily(name, help_text, labels=label)
+            hist = HistogramMetricFamily(name, help_text, labels=label)
             for s, values in keyed:
                 h: HistogramSnapshot = getattr(s, attr)
                 buckets = [("+Inf" if b == float("inf") else repr(float(b)), n) for b, n in h.cumulative()]
-                fam.add_metric(values, buckets, sum_value=h.sum)
-            yield fam
+                hist.add_metric(values, buckets, sum_value=h.sum)
+            yield hist

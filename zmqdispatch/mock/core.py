@@ -43,6 +43,8 @@ so unseeded ``n > 1`` samples are identical here, unlike on a real engine).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from collections import deque
@@ -159,6 +161,7 @@ class MockEngineCore:
         for rid, r in self.running.items():
             req = r.request
             sp = req.sampling_params
+            assert sp is not None and sp.max_tokens is not None  # add() admits only checked requests
             prompt_len = len(req.prompt_token_ids or ())
             new: list[int] = []
             finish = None
@@ -216,7 +219,7 @@ class MockEngineCore:
         self.paused = True
         return None
 
-    def _control(self, method: str, args: tuple) -> tuple[object, str | None]:
+    def _control(self, method: str, args: tuple[Any, ...]) -> tuple[object, str | None]:
         """The control-plane utility methods (module doc); ``(result, failure_message)``."""
         if method == "is_sleeping":
             return self.paused or self.memory_asleep, None
@@ -252,7 +255,7 @@ class MockEngineCore:
             return None, "Worker failed with error 'Profiling is not enabled. Please set --profiler-config to enable profiling.'"
         return _UNKNOWN, None
 
-    def utility(self, method: str, args: tuple) -> tuple[object, str | None]:
+    def utility(self, method: str, args: tuple[Any, ...]) -> tuple[object, str | None]:
         """Run a utility method: ``(result, failure_message)``. Outputs it
         produced (a pause with mode ``"abort"``) are in :attr:`utility_outputs`."""
         if method == "get_supported_tasks":

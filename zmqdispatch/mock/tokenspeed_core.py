@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -205,7 +206,7 @@ class MockTokenSpeedScheduler:
             del self.running[rid]
         return self._batch(rows) if rows else None
 
-    def _batch(self, rows: list[tuple]) -> ts.TokenSpeedBatch:
+    def _batch(self, rows: list[tuple[Any, ...]]) -> ts.TokenSpeedBatch:
         used = 0
         for r in self.running.values():
             used += -(-(len(r.request.input_ids or ()) + r.generated) // KV_PAGE_TOKENS)

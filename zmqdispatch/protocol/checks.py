@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
+from typing import Any, TypeGuard
 
 from .. import limits
 from ..errors import ContextLengthError, LocalProtocolError, RequestRejected
@@ -54,7 +56,7 @@ def _reject(rid: str, field: str, message: str) -> RequestRejected:
 _INT_ONLY = {int}
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return type(v) is int  # bool is not a token id / count
 
 
@@ -164,10 +166,11 @@ def check_sampling_params(
         raise bad("eos_token_id", f"must be a non-negative int, got {sp.eos_token_id!r}")
 
 
-def _check_id_and_prompt(rid: object, prompt: object, field: str, vocab_size: int | None,
-                         *, max_id: int | None = None) -> None:
+def _check_id_and_prompt(rid: object, prompt: Any, field: str, vocab_size: int | None,
+                         *, max_id: int | None = None) -> Sequence[int]:
     """Both runtimes: a non-empty UTF-8 request id, a non-empty prompt of token ids
-    (below ``vocab_size`` when known, an id past the embedding table crashes the engine)."""
+    (below ``vocab_size`` when known, an id past the embedding table crashes the engine).
+    Returns *prompt*, checked."""
     if type(rid) is not str or not rid:
         raise _reject("", "request_id", f"must be a non-empty str, got {rid!r}")
     try:
@@ -176,18 +179,20 @@ def _check_id_and_prompt(rid: object, prompt: object, field: str, vocab_size: in
         raise _reject("", "request_id", "must be valid UTF-8 text (no lone surrogates)") from None
     if prompt is None or len(prompt) == 0:
         raise _reject(rid, field, "must be a non-empty list of token ids")
+    checked: Sequence[int] = prompt
     # The common case in C loops (a prompt of thousands of ids costs a Python
     # loop ~0.1 µs per id); anything doubtful takes the loop below, which names
     # the offending element.
     if set(map(type, prompt)) == _INT_ONLY:
         hi = max(prompt)
         if min(prompt) >= 0 and (max_id is None or hi <= max_id) and (vocab_size is None or hi < vocab_size):
-            return
+            return checked
     for i, t in enumerate(prompt):
         if not _is_int(t) or t < 0 or (max_id is not None and t > max_id):
             raise _reject(rid, field, f"element {i} must be a non-negative int token id, got {t!r}")
         if vocab_size is not None and t >= vocab_size:
             raise _reject(rid, field, f"element {i} is {t}, not below vocab_size={vocab_size} (the engine would crash)")
+    return checked
 
 
 def check_request(
@@ -214,8 +219,7 @@ def check_request(
             ``prompt_len + max_tokens > max_model_len``; states both numbers.
     """
     rid = request.request_id
-    prompt = request.prompt_token_ids
-    _check_id_and_prompt(rid, prompt, "prompt_token_ids", vocab_size)
+    prompt = _check_id_and_prompt(rid, request.prompt_token_ids, "prompt_token_ids", vocab_size)
     sp = request.sampling_params
     if sp is None:
         raise _reject(rid, "sampling_params", "must be set (vLLM fails a generate request without them)")
@@ -252,6 +256,7 @@ def check_request(
                 max_tokens=None,
                 max_model_len=max_model_len,
             )
+        assert sp.max_tokens is not None  # check_sampling_params refused None
         if n + sp.max_tokens > max_model_len:
             raise ContextLengthError(
                 f"sampling_params.max_tokens: prompt of {n} tokens + max_tokens={sp.max_tokens} "
@@ -321,8 +326,7 @@ def check_tokenspeed_request(
             context is *not* refused: TokenSpeed clamps it to the context.
     """
     rid = request.rid
-    prompt = request.input_ids
-    _check_id_and_prompt(rid, prompt, "input_ids", vocab_size, max_id=limits.MAX_TOKEN_ID)
+    prompt = _check_id_and_prompt(rid, request.input_ids, "input_ids", vocab_size, max_id=limits.MAX_TOKEN_ID)
     sp = request.sampling_params
     if not isinstance(sp, ts.TokenSpeedSamplingParams):
         raise _reject(rid, "sampling_params", f"must be TokenSpeedSamplingParams, got {type(sp).__name__}")

@@ -40,7 +40,7 @@ max_iterations=None[, profiler_kwargs=None in 0.33])``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import attrs
 
@@ -97,7 +97,7 @@ class ControlCall:
     parse: Callable[[Any], Any]
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return type(v) is int  # bool is not an int here
 
 

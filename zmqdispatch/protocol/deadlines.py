@@ -46,7 +46,7 @@ __all__ = ["Deadlines", "DeadlineScheduler", "TimedMailbox", "LIMITS", "effectiv
 LIMITS = ("first_token", "total", "stall")
 
 
-def _check_limit(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
+def _check_limit(instance: Any, attribute: attrs.Attribute[float | None], value: float | None) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -98,7 +98,8 @@ class Runtime(enum.Enum):
 
     def request_id(self, request: Any) -> str:
         """The request's id (``request_id`` on vLLM, ``rid`` on TokenSpeed)."""
-        return request.request_id if self is Runtime.VLLM else request.rid
+        rid: str = request.request_id if self is Runtime.VLLM else request.rid
+        return rid
 
     def with_request_id(self, request: Any, wire_id: str) -> Any:
         """*request* under the engine-side id *wire_id* (see

@@ -197,7 +197,7 @@ def _reject(rid: str, field: str, why: str) -> RequestRejected:
     return RequestRejected(f"{field}: {why}", request_id=rid, field=field)
 
 
-def _constraint(rid: str, sp: pb.SamplingParams) -> dict[str, str]:
+def _constraint(rid: str, sp: pb.SamplingParams) -> dict[str, Any]:
     which = sp.WhichOneof("constraint")
     if which is None:
         return {}

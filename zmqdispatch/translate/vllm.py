@@ -88,6 +88,10 @@ _SAMPLING_EPS = 1e-5
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
+def _int_tuple(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(ids)
+
+
 @attrs.frozen(kw_only=True)
 class TranslationConfig:
     """What the translation needs to know about the engine and model.
@@ -112,7 +116,7 @@ class TranslationConfig:
     """
 
     max_model_len: int
-    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     vocab_size: int | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     structured_outputs_backend: str = "auto"
@@ -148,6 +152,7 @@ class Translation:
         matcher = None
         if self.stop_plan is not None and self.stop_plan.stops:
             sp = self.request.sampling_params
+            assert sp is not None  # translate_request always sets them
             matcher = StopStringMatcher(
                 self.tokenizer,
                 self.stop_plan.stops,
@@ -176,7 +181,7 @@ def _reject(rid: str, field: str, why: str) -> RequestRejected:
 def _logprob_count(rid: str, sp: pb.SamplingParams, name: str, cap: int) -> int | None:
     if not sp.HasField(name):
         return None
-    k = getattr(sp, name)
+    k: int = getattr(sp, name)
     field = f"sampling_params.{name}"
     if k == -1:
         raise _reject(rid, field, f"-1 ('whole vocabulary') is not served; ask for at most max_logprobs={cap}")
@@ -504,10 +509,12 @@ def translate_parallel(
     single.CopyFrom(req)
     single.sampling_params.n = 1
     base = translate_request(single, config, arrival_time=arrival_time)
-    seed = base.request.sampling_params.seed
+    base_sp = base.request.sampling_params
+    assert base_sp is not None  # translate_request always sets them
+    seed = base_sp.seed
     children = []
     for i in range(n):
-        child_sp = attrs.evolve(base.request.sampling_params, seed=None if seed is None else seed + i)
+        child_sp = attrs.evolve(base_sp, seed=None if seed is None else seed + i)
         child = attrs.evolve(base.request, request_id=child_request_id(rid, i), sampling_params=child_sp)
         children.append(attrs.evolve(base, request=child, index=i))
     return children
@@ -690,7 +697,7 @@ class ResponseBuilder:
         if self.done:
             return []
         if self._matcher is not None:
-            delta = self._apply_stops(delta)
+            delta = self._apply_stops(self._matcher, delta)
         if delta.num_prompt_tokens is not None:
             self._prompt_tokens = delta.num_prompt_tokens
         if delta.num_cached_tokens is not None:
@@ -724,11 +731,11 @@ class ResponseBuilder:
             self.done = True
         return out
 
-    def _apply_stops(self, delta: OutputDelta) -> OutputDelta:
+    def _apply_stops(self, matcher: StopStringMatcher, delta: OutputDelta) -> OutputDelta:
         """Client-side stop strings (vLLM's detokenizer semantics, stops.py):
         keep the tokens up to the one that completed a match, finish with
         STOP and the matched string."""
-        fed = self._matcher.feed_delta(delta)
+        fed = matcher.feed_delta(delta)
         if fed.matched is None and len(fed.token_ids) == len(delta.token_ids):
             return delta
         kept = len(fed.token_ids)
@@ -745,6 +752,7 @@ class ResponseBuilder:
                              stop_reason=stop_reason)
 
     def _complete(self, delta: OutputDelta) -> pb.GenerateResponse:
+        assert delta.finish_reason is not None  # called for the finishing delta only
         complete = pb.GenerateComplete(
             output_ids=self._output_ids,
             finish_reason=FINISH_REASON_STRINGS[delta.finish_reason],
