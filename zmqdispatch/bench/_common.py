@@ -124,7 +124,8 @@ def read_command(stream: TextIO = sys.stdin) -> dict[str, Any]:
     line = stream.readline()
     if not line:
         return {"op": "quit"}
-    return json.loads(line)
+    command: dict[str, Any] = json.loads(line)
+    return command
 
 
 class PrivateDir:
@@ -164,7 +165,7 @@ class Control:
     thread, so the event loop keeps serving streams meanwhile).
     """
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
@@ -174,7 +175,7 @@ class Control:
         if payload is not None:
             frames.append(json.dumps(payload).encode())
         self.sock.send_multipart(frames)
-        if not self.sock.poll(timeout * 1000):
+        if not self.sock.poll(int(timeout * 1000)):
             raise TimeoutError(f"bench engine did not answer {op!r} within {timeout} s")
         reply = self.sock.recv_multipart()
         if op == "table":
@@ -196,14 +197,15 @@ class Control:
 
     def run(self, cell: dict[str, Any]) -> dict[str, Any]:
         """Let the engine step with the cell's interval and window (a new epoch)."""
-        return self.request("cfg", {"mode": "run", "step_interval_ms": cell["step_interval_ms"],
-                                    "window": cell["window"]})
+        cfg: dict[str, Any] = self.request("cfg", {"mode": "run", "step_interval_ms": cell["step_interval_ms"],
+                                                   "window": cell["window"]})
+        return cfg
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, Any]:
         """Poll until the engine runs no request (teardown of a cell)."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.request("stats")
+            stats: dict[str, Any] = self.request("stats")
             if stats["running"] == 0:
                 return stats
             if time.monotonic() > deadline:
@@ -214,7 +216,7 @@ class Control:
         """Poll until the engine has received *count* ADDs in all."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.request("stats")
+            stats: dict[str, Any] = self.request("stats")
             if stats["adds"] >= count:
                 return stats
             if time.monotonic() > deadline:

@@ -301,7 +301,9 @@ def _ready_response(max_model_len: int, engine_index: int) -> wire.EngineCoreRea
     )
 
 
-def _data_sockets(ctx: zmq.Context, identity: bytes, input_address: str, output_address: str) -> tuple[zmq.Socket, zmq.Socket]:
+def _data_sockets(
+    ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes, input_address: str, output_address: str
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
     inp = ctx.socket(zmq.DEALER)
     inp.setsockopt(zmq.IDENTITY, identity)
     inp.setsockopt(zmq.RCVHWM, 0)  # as vLLM's engine
@@ -315,7 +317,7 @@ def _data_sockets(ctx: zmq.Context, identity: bytes, input_address: str, output_
 
 
 def dial(
-    ctx: zmq.Context,
+    ctx: zmq.Context[zmq.Socket[bytes]],
     ready: wire.EngineCoreReadyResponse,
     *,
     engine_index: int = 0,
@@ -323,7 +325,7 @@ def dial(
     input_address: str | None = None,
     output_address: str | None = None,
     timeout: float = 300.0,
-) -> tuple[zmq.Socket, zmq.Socket]:
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
     """Attach like a vLLM engine; return the input DEALER and output PUSH.
 
     With *handshake_address*: the blocking twin of :func:`zmqdispatch.mock.dial.dial`
@@ -345,7 +347,7 @@ def dial(
     try:
         hs.connect(handshake_address)
         hs.send(wire.encode_hello(local=True, headless=False))
-        if not hs.poll(timeout * 1000):
+        if not hs.poll(int(timeout * 1000)):
             raise TimeoutError(f"no INIT from {handshake_address} within {timeout} s")
         init = wire.decode_init(hs.recv())
         inp, out = _data_sockets(ctx, identity, init.inputs[0], init.outputs[0])
@@ -388,9 +390,9 @@ class BenchEngine:
 
     def __init__(
         self,
-        inp: zmq.Socket,
-        out: zmq.Socket,
-        control: zmq.Socket | None,
+        inp: zmq.Socket[bytes],
+        out: zmq.Socket[bytes],
+        control: zmq.Socket[bytes] | None,
         *,
         engine_index: int = 0,
         mode: str = "run",
@@ -420,9 +422,9 @@ class BenchEngine:
         self.ack_fd = ack_fd
         self._ack_buf = b""
 
-    def _read_acks(self) -> None:
+    def _read_acks(self, fd: int) -> None:
         try:
-            data = os.read(self.ack_fd, 65536)
+            data = os.read(fd, 65536)
         except BlockingIOError:
             return
         buf = self._ack_buf + data
@@ -452,6 +454,8 @@ class BenchEngine:
                     self.aborts += self.encoder.remove(rid)
             elif kind == wire.RequestType.UTILITY:
                 call = wire.decode_utility_call(frames[1])
+                result: object
+                failure: str | None
                 if call.method == "zmqd_live_requests":
                     result, failure = self.encoder.running, None
                 else:
@@ -497,7 +501,7 @@ class BenchEngine:
             "acked": self.acked,
         }
 
-    def _on_control(self, frames: list[bytes]) -> None:
+    def _on_control(self, ctl: zmq.Socket[bytes], frames: list[bytes]) -> None:
         if len(frames) < 2:
             return
         peer, op = frames[0], frames[1]
@@ -512,14 +516,14 @@ class BenchEngine:
             reply = self._stats()
         elif op == b"table":
             header = json.dumps({"first_step": self.counters.first_step, "steps": len(self.table)}).encode()
-            self.control.send_multipart([peer, header, self.table.tobytes()])
+            ctl.send_multipart([peer, header, self.table.tobytes()])
             return
         elif op == b"stop":
             self.stopping = True
             reply = {}
         else:
             reply = {"error": f"unknown control op {op!r}"}
-        self.control.send_multipart([peer, json.dumps(reply).encode()])
+        ctl.send_multipart([peer, json.dumps(reply).encode()])
 
     def _configure(self, cfg: dict[str, Any]) -> dict[str, Any]:
         if "tokens_per_tick" in cfg and cfg["tokens_per_tick"] != self.encoder.tokens_per_tick:
@@ -544,7 +548,7 @@ class BenchEngine:
     def _drain(self) -> None:
         inp, ctl = self.inp, self.control
         if self.ack_fd is not None:
-            self._read_acks()
+            self._read_acks(self.ack_fd)
         while True:
             try:
                 frames = inp.recv_multipart(zmq.NOBLOCK)
@@ -556,7 +560,7 @@ class BenchEngine:
                 frames = ctl.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._on_control(frames)
+            self._on_control(ctl, frames)
 
     def _wait(self, now: float) -> float | None:
         """Seconds until the next step may go (<= 0: now), None: not until an event."""
@@ -576,7 +580,7 @@ class BenchEngine:
         t0 = time.thread_time()  # CPU time: a descheduled engine is not a slow one
         payload, ts, rows, tokens, _ = self.encoder.encode_step(self.step)
         if rows:
-            self.out.send(payload, copy=len(payload) < 65536)
+            self.out.send(payload, 0, copy=len(payload) < 65536)
         c.busy += time.thread_time() - t0
         if rows:
             self.table.append(ts)
@@ -615,7 +619,7 @@ class BenchEngine:
             if wait is not None and wait < 0.001:
                 time.sleep(wait)
                 continue
-            timeout = 500.0 if wait is None else min(500.0, math.floor(wait * 1000.0))
+            timeout = 500 if wait is None else min(500, math.floor(wait * 1000.0))
             if self.window and wait is None and self.encoder.running and self.mode == "run":
                 self.counters.stalls += 1
                 stalled_poller.poll(timeout)
@@ -662,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     # wherever it is, like Ctrl-C.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     ctx = zmq.Context()
-    socks: list[zmq.Socket] = []
+    socks: list[zmq.Socket[bytes]] = []
     # Before dialing: a client opens the FIFO's write end once we answered.
     ack_fd = open_ack_fifo(args.ack_fifo) if args.ack_fifo else None
     try:

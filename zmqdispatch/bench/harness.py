@@ -208,7 +208,8 @@ class Runner:
         if line is None:
             code = self.proc.wait()
             raise RunnerError(f"runner {self.name} exited (code {code}); log {self.log_path}:\n{self._log_tail()}")
-        return json.loads(line)
+        msg: dict[str, Any] = json.loads(line)
+        return msg
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         msg = self.answer(timeout)
@@ -224,7 +225,8 @@ class Runner:
         if msg.get("event") == "error":
             return {"client": self.name, "error": msg.get("error", "?").strip().splitlines()[-1],
                     "traceback": msg.get("error")}
-        return msg["result"]
+        result: dict[str, Any] = msg["result"]
+        return result
 
     def close(self, timeout: float = 30.0) -> None:
         try:
@@ -311,7 +313,8 @@ def _write_tiny_model(directory: str) -> str:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.write_tiny_model(directory)
+    written: str = module.write_tiny_model(directory)
+    return written
 
 
 def _write_tiny_tokenizer(settings: BenchSettings, model_dir: str) -> None:
@@ -322,7 +325,7 @@ def _write_tiny_tokenizer(settings: BenchSettings, model_dir: str) -> None:
 
 
 def _cell_timeout(cell: dict[str, Any]) -> float:
-    return 240.0 + cell["seconds"] + cell["warmup_s"]
+    return 240.0 + float(cell["seconds"]) + float(cell["warmup_s"])
 
 
 # ---------------------------------------------------------------------- aggregation
@@ -346,7 +349,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     if not good:
         first = rounds[0] if rounds else {}
         return {k: first[k] for k in ("error", "skipped") if k in first}
-    return _median_of(good)
+    median: dict[str, Any] = _median_of(good)
+    return median
 
 
 # ---------------------------------------------------------------------- run
@@ -412,11 +416,12 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             finally:
                 for runner in runners.values():
                     runner.close()
-        real = None
+        real: dict[str, Any] | None = None
         if settings.real_engine:
             if "vllm" in skipped:
                 real = {"skipped": skipped["vllm"]}
             else:
+                assert model_dir is not None  # written above unless vllm was skipped
                 real = real_mod.run_real(settings, model_dir, logs, progress, clients=real_clients,
                                          scripts=REAL_VLLM_SCRIPTS, smg=settings.smg, runner_cls=Runner)
                 if "smg" in skipped:

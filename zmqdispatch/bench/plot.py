@@ -8,6 +8,7 @@ window's queue). matplotlib is imported here only (the ``bench`` extra).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +86,11 @@ def plot_real(doc: dict[str, Any], path: Path | str) -> Path:
     real = doc["real_engine"]
     topologies = list(real["results"])
     clients = list(dict.fromkeys(c for by in real["results"].values() for c in by))
-    panels = [("tokens/s (higher is better)", lambda m: m.get("tokens_per_s")),
-              ("TTFT p50, ms (lower is better)", lambda m: (m.get("ttft_ms") or {}).get("p50")),
-              ("tokens delivered as their own delta, % (higher is better)",
-               lambda m: None if m.get("separate_delta_fraction") is None else 100 * m["separate_delta_fraction"])]
+    panels: list[tuple[str, Callable[[dict[str, Any]], float | None]]] = [
+        ("tokens/s (higher is better)", lambda m: m.get("tokens_per_s")),
+        ("TTFT p50, ms (lower is better)", lambda m: (m.get("ttft_ms") or {}).get("p50")),
+        ("tokens delivered as their own delta, % (higher is better)",
+         lambda m: None if m.get("separate_delta_fraction") is None else 100 * m["separate_delta_fraction"])]
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 4.2))
     width = 0.8 / max(1, len(clients))
     for ax, (title, key) in zip(axes, panels):

@@ -215,7 +215,7 @@ def _one_run(settings: Any, model_dir: str, logs: Path, progress: Any, cmd: dict
         try:
             runner.wait_ready()
             progress.describe(label)
-            res = runner.command({**cmd, "round": rnd}, 600)
+            res: dict[str, Any] = runner.command({**cmd, "round": rnd}, 600)
             if engine is not None:
                 res["engine_processes"] = engine.processes()
         finally:

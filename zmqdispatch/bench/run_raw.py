@@ -34,7 +34,7 @@ _ABORT = bytes([wire.RequestType.ABORT])
 
 
 class RawLoop:
-    def __init__(self, ctx: zmq.Context, tmp: common.PrivateDir) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], tmp: common.PrivateDir) -> None:
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -71,7 +71,7 @@ class RawLoop:
             self.engine.kill()
 
     def _drain_quietly(self, quiet: float = 0.1) -> None:
-        while self.pull.poll(quiet * 1000):
+        while self.pull.poll(int(quiet * 1000)):
             while True:
                 try:
                     self.pull.recv_multipart(zmq.NOBLOCK)

@@ -42,10 +42,14 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING, Any, TextIO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import _common as common  # noqa: E402  (stdlib + pyzmq only; see its docstring)
+if TYPE_CHECKING:  # the checker sees the file by its package name
+    from . import _common as common
+else:
+    import _common as common  # (stdlib + pyzmq only; see its docstring)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -66,7 +70,8 @@ def parse_args() -> argparse.Namespace:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def cpu_seconds(pid: int) -> float:
@@ -76,7 +81,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+def stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.send_signal(sig)
@@ -121,8 +126,8 @@ def main() -> int:
     return 0
 
 
-async def amain(args: argparse.Namespace, out, port: int, smg: subprocess.Popen,
-                engine: subprocess.Popen | None) -> None:
+async def amain(args: argparse.Namespace, out: TextIO, port: int, smg: subprocess.Popen[bytes],
+                engine: subprocess.Popen[bytes] | None) -> None:
     import aiohttp
 
     url = f"http://127.0.0.1:{port}/generate"
@@ -154,7 +159,7 @@ async def amain(args: argparse.Namespace, out, port: int, smg: subprocess.Popen,
             if seen != max_tokens:
                 raise RuntimeError(f"SMG stream ended after {seen} of {max_tokens} tokens")
 
-        async def real(cmd: dict) -> dict:
+        async def real(cmd: dict[str, Any]) -> dict[str, Any]:
             n, max_tokens = cmd["sequences"], cmd["max_tokens"]
             logs: list[common.StreamLog] = []
 

@@ -42,10 +42,21 @@ import threading
 import time
 import traceback
 from array import array
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import _common as common  # noqa: E402  (stdlib + pyzmq only; see its docstring)
+if TYPE_CHECKING:  # the checker sees the file by its package name
+    from . import _common as common
+else:
+    import _common as common  # (stdlib + pyzmq only; see its docstring)
+
+if TYPE_CHECKING:
+    import zmq
+
+_T = TypeVar("_T")
 
 TOKEN_MODULUS = 2**31  # zmqdispatch.bench.engine.TOKEN_MODULUS
 
@@ -95,7 +106,7 @@ class _Handshake(threading.Thread):
     response reaches its input socket. :meth:`finish` raises what went wrong.
     """
 
-    def __init__(self, ctx, address: str, input_address: str, output_address: str, timeout: float = 600) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, input_address: str, output_address: str, timeout: float = 600) -> None:
         import zmq
 
         super().__init__(name="bench-handshake", daemon=True)
@@ -139,20 +150,28 @@ class _Handshake(threading.Thread):
             raise TimeoutError(f"engine sent no READY within {timeout:.0f} s after AsyncLLM started")
 
 
-def _load_by_path(name: str, path: str):
+def _load_by_path(name: str, path: str) -> ModuleType:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-async def to_thread(fn, *args):
+def _need(x: _T | None, what: str) -> _T:
+    if x is None:
+        raise RuntimeError(f"this cell needs the benchmark engine's {what} (not with --real)")
+    return x
+
+
+async def to_thread(fn: Callable[..., _T], *args: Any) -> _T:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
+async def amain(args: argparse.Namespace, out: TextIO, loop_name: str) -> None:
     import subprocess
 
     import vllm
@@ -179,7 +198,8 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
     engine_proc = None
     tmp = common.PrivateDir()
     ctx = zmq.Context()
-    ctl = acker = None
+    ctl: common.Control | None = None
+    acker: common.Acker | None = None
     if args.real and args.attach:
         config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
         inp, outp = tmp.ipc("input.sock"), tmp.ipc("output.sock")
@@ -207,7 +227,7 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
         ctl = common.Control(ctx, ctl_addr)
         acker = common.Acker(ctl_addr)
 
-    def make_prompt(tokens: list[int]):
+    def make_prompt(tokens: list[int]) -> Any:
         # The renderer path AsyncLLM.generate's docstring recommends; a plain
         # token prompt dict if this vLLM has no such API.
         try:
@@ -230,12 +250,13 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
 
     cell_no = 0
 
-    async def throughput(cell: dict) -> dict:
+    async def throughput(cell: dict[str, Any]) -> dict[str, Any]:
         nonlocal cell_no
+        control, acks = _need(ctl, "control channel"), _need(acker, "credit channel")
         cell_no += 1
         k = cell["tokens_per_tick"]
-        adds, epoch = await to_thread(ctl.hold, k)
-        acker.start(epoch, cell["window"])
+        adds, epoch = await to_thread(control.hold, k)
+        acks.start(epoch, cell["window"])
         tally = common.Tally()
         toks, recv = array("q"), array("d")
         toks_slow, recv_slow = array("q"), array("d")
@@ -263,38 +284,38 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
                     else:
                         toks.append(ids[-1])
                         recv.append(now)
-                acker.delivered(ticks)
+                acks.delivered(ticks)
                 if slow:
                     await asyncio.sleep(delay)
 
         c = cell["concurrency"]
         tasks = [asyncio.create_task(consume(i, common.is_slow(i, cell["slow_fraction"]))) for i in range(c)]
         try:
-            await to_thread(ctl.wait_adds, adds + c)
-            await to_thread(ctl.run, cell)
+            await to_thread(control.wait_adds, adds + c)
+            await to_thread(control.run, cell)
             deadline = time.monotonic() + 120
             while tally.first_seen < c:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"only {tally.first_seen} of {c} streams got output")
                 for t in tasks:
-                    if t.done() and t.exception() is not None:
-                        raise t.exception()
+                    if t.done() and (exc := t.exception()) is not None:
+                        raise exc
                 await asyncio.sleep(0.02)
             await asyncio.sleep(cell["warmup_s"])
-            await to_thread(ctl.request, "mark")
+            await to_thread(control.request, "mark")
             with tally.gc:
                 cpu0, t0 = time.process_time(), time.monotonic()
                 tally.measuring = True
                 await asyncio.sleep(cell["seconds"])
                 tally.measuring = False
                 cpu1, t1 = time.process_time(), time.monotonic()
-            stats = await to_thread(ctl.request, "stats")
-            header, table = await to_thread(ctl.request, "table")
+            stats = await to_thread(control.request, "stats")
+            header, table = await to_thread(control.request, "table")
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        await to_thread(ctl.wait_idle)
+        await to_thread(control.wait_idle)
         first_step = header["first_step"]
         for tok_arr, recv_arr, lat in ((toks, recv, tally.latency), (toks_slow, recv_slow, tally.latency_slow)):
             for tok, r in zip(tok_arr, recv_arr):
@@ -303,11 +324,12 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
                     lat.append(r - table[idx])
         return common.throughput_result("vllm", cell, tally, wall=t1 - t0, cpu=cpu1 - cpu0, engine=stats)
 
-    async def idle_rss(cell: dict) -> dict:
+    async def idle_rss(cell: dict[str, Any]) -> dict[str, Any]:
         nonlocal cell_no
+        control, acks = _need(ctl, "control channel"), _need(acker, "credit channel")
         cell_no += 1
-        await to_thread(ctl.request, "cfg", {"mode": "hold", "window": 0})
-        base = (await to_thread(ctl.request, "stats"))["adds"]
+        await to_thread(control.request, "cfg", {"mode": "hold", "window": 0})
+        base = (await to_thread(control.request, "stats"))["adds"]
         c = cell["concurrency"]
         prompts = [make_prompt(common.prompt_tokens(cell["prompt_len"], i)) for i in range(c)]
         sp = sampling(cell["max_tokens"])
@@ -320,7 +342,7 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
         before = common.rss_bytes()
         tasks = [asyncio.create_task(consume(i)) for i in range(c)]
         try:
-            await to_thread(ctl.wait_adds, base + c)
+            await to_thread(control.wait_adds, base + c)
             await asyncio.sleep(0.5)
             gc.collect()
             after = common.rss_bytes()
@@ -329,11 +351,11 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             del prompts
-        await to_thread(ctl.wait_idle)
-        await to_thread(ctl.request, "cfg", {"mode": "run"})
+        await to_thread(control.wait_idle)
+        await to_thread(control.request, "cfg", {"mode": "run"})
         return common.rss_result("vllm", cell, before, after, c)
 
-    async def real(cmd: dict) -> dict:
+    async def real(cmd: dict[str, Any]) -> dict[str, Any]:
         n, max_tokens = cmd["sequences"], cmd["max_tokens"]
         sp = sampling(max_tokens)
         cell_id = cmd.get("round", 0)
@@ -386,6 +408,7 @@ async def amain(args: argparse.Namespace, out, loop_name: str) -> None:
             except Exception:
                 pass
             ctl.close()
+        if acker is not None:
             acker.close()
         if engine_proc is not None:
             engine_proc.terminate()

@@ -24,6 +24,7 @@ Commands and answers: JSON lines (:mod:`._common`).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -83,16 +84,30 @@ class Runner:
         self.cell_no = 0
         self.topology = "launched"
 
+    @property
+    def control(self) -> common.Control:
+        """The benchmark engine's control channel (the synthetic cells; ``--real`` has none)."""
+        if self.ctl is None:
+            raise RuntimeError("this cell needs the benchmark engine's control channel (not with --real)")
+        return self.ctl
+
+    @property
+    def acks(self) -> common.Acker:
+        """The benchmark engine's credit channel (the synthetic cells; ``--real`` has none)."""
+        if self.acker is None:
+            raise RuntimeError("this cell needs the benchmark engine's credit channel (not with --real)")
+        return self.acker
+
     async def _ctl(self, op: str, payload: Any = None) -> Any:
-        return await trio.to_thread.run_sync(self.ctl.request, op, payload)
+        return await trio.to_thread.run_sync(self.control.request, op, payload)
 
     async def throughput_group(self, cell: dict[str, Any]) -> dict[str, Any]:
         """One StreamGroup, one reader task for all C streams."""
         if cell["slow_fraction"] > 0:
             return {"client": self.name, "cell": cell["name"], "skipped": "one reader task for every stream"}
         self.cell_no += 1
-        acker = self.acker
-        adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
+        acker = self.acks
+        adds, epoch = await trio.to_thread.run_sync(self.control.hold, cell["tokens_per_tick"])
         acker.start(epoch, cell["window"])
         tally = common.Tally()
         c = cell["concurrency"]
@@ -126,7 +141,7 @@ class Runner:
                 nursery.start_soon(read)
                 wall, cpu, stats = await self._measure(cell, tally, adds + c)
                 nursery.cancel_scope.cancel()
-        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        await trio.to_thread.run_sync(self.control.wait_idle)
         return common.throughput_result(self.name, cell, tally, wall=wall, cpu=cpu, engine=stats)
 
     async def _measure(self, cell: dict[str, Any], tally: common.Tally, adds: int) -> tuple[float, float, Any]:
@@ -134,8 +149,8 @@ class Runner:
         *adds*, let it step, wait until every stream got output, warm up, then
         measure ``cell["seconds"]``. Returns (wall s, client CPU s, engine stats)."""
         c = cell["concurrency"]
-        await trio.to_thread.run_sync(self.ctl.wait_adds, adds)
-        await trio.to_thread.run_sync(self.ctl.run, cell)
+        await trio.to_thread.run_sync(self.control.wait_adds, adds)
+        await trio.to_thread.run_sync(self.control.run, cell)
         with trio.fail_after(120):
             while tally.first_seen < c:
                 await trio.sleep(0.02)
@@ -163,8 +178,8 @@ class Runner:
 
     async def throughput(self, cell: dict[str, Any]) -> dict[str, Any]:
         self.cell_no += 1
-        client, acker = self.client, self.acker
-        adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
+        client, acker = self.client, self.acks
+        adds, epoch = await trio.to_thread.run_sync(self.control.hold, cell["tokens_per_tick"])
         acker.start(epoch, cell["window"])
         tally = common.Tally()
         delay = cell["slow_delay_ms"] / 1000.0
@@ -194,7 +209,7 @@ class Runner:
                 nursery.start_soon(consume, i, common.is_slow(i, cell["slow_fraction"]))
             wall, cpu, stats = await self._measure(cell, tally, adds + c)
             nursery.cancel_scope.cancel()
-        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        await trio.to_thread.run_sync(self.control.wait_idle)
         return common.throughput_result("zmqdispatch", cell, tally, wall=wall, cpu=cpu, engine=stats)
 
     async def burst(self, cell: dict[str, Any]) -> dict[str, Any]:
@@ -211,8 +226,8 @@ class Runner:
         burst imposes on every stream on an idle machine, without the time
         a shared machine's other processes took)."""
         self.cell_no += 1
-        client, acker = self.client, self.acker
-        adds, epoch = await trio.to_thread.run_sync(self.ctl.hold, cell["tokens_per_tick"])
+        client, acker = self.client, self.acks
+        adds, epoch = await trio.to_thread.run_sync(self.control.hold, cell["tokens_per_tick"])
         acker.start(epoch, cell["window"])
         tally = common.Tally()
         c, n = cell["concurrency"], cell["burst"]
@@ -220,7 +235,7 @@ class Runner:
         lat = tally.latency
         max_waits: list[float] = []
         admit: list[float] = []
-        state = {"left": 0, "done": trio.Event()}
+        state: dict[str, Any] = {"left": 0, "done": trio.Event()}
 
         def burst_done() -> None:
             state["left"] -= 1
@@ -274,8 +289,8 @@ class Runner:
             else:
                 for i in range(c):
                     nursery.start_soon(consume, i)
-            await trio.to_thread.run_sync(self.ctl.wait_adds, adds + c)
-            await trio.to_thread.run_sync(self.ctl.run, cell)
+            await trio.to_thread.run_sync(self.control.wait_adds, adds + c)
+            await trio.to_thread.run_sync(self.control.run, cell)
             with trio.fail_after(120):
                 while tally.first_seen < c:
                     await trio.sleep(0.02)
@@ -318,7 +333,7 @@ class Runner:
             trio.lowlevel.remove_instrument(passes)
             stats = await self._ctl("stats")
             nursery.cancel_scope.cancel()
-        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        await trio.to_thread.run_sync(self.control.wait_idle)
         result = common.burst_result(self.name, cell, lat, max_waits, admit, tally.gc, engine=stats)
         result["longest_pass_cpu_ms"] = 1000.0 * max(longest_pass, default=0.0)
         result["longest_pass_cpu_ms_per_burst"] = [1000.0 * x for x in longest_pass]
@@ -351,14 +366,14 @@ class Runner:
                     group.generate(req)
                 else:
                     nursery.start_soon(consume, req)
-            await trio.to_thread.run_sync(self.ctl.wait_adds, base + c)
+            await trio.to_thread.run_sync(self.control.wait_adds, base + c)
             await trio.testing.wait_all_tasks_blocked()
             await trio.sleep(0.5)  # let the allocator settle before reading RSS (bench, not a test)
             gc.collect()
             after = common.rss_bytes()
             nursery.cancel_scope.cancel()
         del requests
-        await trio.to_thread.run_sync(self.ctl.wait_idle)
+        await trio.to_thread.run_sync(self.control.wait_idle)
         await self._ctl("cfg", {"mode": "run"})
         return common.rss_result(self.name, cell, before, after, c)
 
@@ -400,7 +415,8 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
 
     tmp = common.PrivateDir()
     ctx = zmq.Context()
-    ctl = acker = None
+    ctl: common.Control | None = None
+    acker: common.Acker | None = None
     try:
         handshake_address = None
         if args.real and args.attach:
@@ -445,10 +461,11 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
                 except Exception:
                     common.emit(out, "error", error=traceback.format_exc())
             if ctl is not None:
-                await trio.to_thread.run_sync(lambda: ctl.request("stop", timeout=2))
+                await trio.to_thread.run_sync(functools.partial(ctl.request, "stop", timeout=2))
     finally:
         if ctl is not None:
             ctl.close()
+        if acker is not None:
             acker.close()
         tmp.cleanup()
 
