@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import msgpack
 import pytest
@@ -92,7 +93,7 @@ def test_engine_process_serves_raw_client(tmp_path) -> None:
                                      sampling_params=wire.SamplingParams(max_tokens=1000), arrival_time=0.0)
         ctl.request("mark")
         router.send_multipart([identity, bytes([wire.RequestType.ADD]), *wire.encode_request(req)])
-        msgs = []
+        msgs: list[Any] = []
         while len(msgs) < 6:
             assert pull.poll(5000)
             msgs.append(_decode(pull.recv()))

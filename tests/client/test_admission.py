@@ -11,7 +11,6 @@ import trio.testing
 
 from zmqdispatch import RequestRejected, limits
 from zmqdispatch.errors import LocalProtocolError
-from zmqdispatch.protocol import runtime
 from zmqdispatch.protocol.engine import EngineProtocol
 from zmqdispatch.wire import vllm as wire
 
@@ -83,14 +82,14 @@ async def test_the_input_pump_yields_between_slices_of_adds(monkeypatch):
 def _unencodable(monkeypatch, bad_id: str) -> None:
     """Requests with id *bad_id* pass validation but the wire encoder refuses
     them (as it does, e.g., a schema nested too deep for it)."""
-    real = runtime.wire.encode_request
+    real = wire.encode_request  # the module protocol.runtime encodes with
 
     def encode(req):
         if req.request_id == bad_id:
             raise LocalProtocolError("structured_outputs: nested too deep to encode")
         return real(req)
 
-    monkeypatch.setattr(runtime.wire, "encode_request", encode)
+    monkeypatch.setattr(wire, "encode_request", encode)
 
 
 async def test_a_request_the_wire_cannot_carry_fails_on_entering_and_sends_nothing(monkeypatch):

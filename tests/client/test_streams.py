@@ -355,7 +355,7 @@ async def test_abort_queued_just_before_the_client_exits_still_reaches_the_engin
     [(True, True, False), (False, True, True), (True, False, False)],
 )
 async def test_gc_is_paused_only_while_a_batch_is_routed(
-    pause: bool, enabled_before: bool, enabled_while_routing: bool
+    pause: bool, enabled_before: bool, enabled_while_routing: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gc
 
@@ -369,7 +369,7 @@ async def test_gc_is_paused_only_while_a_batch_is_routed(
                 seen.append(gc.isenabled())
                 routed(frames, *args)
 
-            client.protocol.frames_received = spy
+            monkeypatch.setattr(client.protocol, "frames_received", spy)
             (gc.enable if enabled_before else gc.disable)()
             async with client.generate(make_request("r1")) as stream:
                 await engine.receive_add()

@@ -35,6 +35,7 @@ import copy
 import json
 import math
 import pathlib
+from typing import Any
 
 import msgpack
 from hypothesis import HealthCheck, given, settings
@@ -137,7 +138,7 @@ def mutated(draw: st.DrawFn, seeds: list[list[bytes]], payload_index: int = 0) -
     frames = list(draw(st.sampled_from(seeds)))
     root = [msgpack.unpackb(frames[payload_index], ext_hook=_keep_ext, strict_map_key=False)]
     for _ in range(draw(st.integers(0, 4))):
-        slots = _slots(root[0]) or [(root, 0)]
+        slots: list[tuple[Any, Any]] = _slots(root[0]) or [(root, 0)]
         box, key = slots[draw(st.integers(0, len(slots) - 1))]
         action = draw(st.integers(0, 5))
         if action == 0:

@@ -30,7 +30,7 @@ def sent(p: EngineProtocol) -> list[list[bytes]]:
 
 
 def kinds(frames: list[list[bytes]]) -> list[tuple[int, object]]:
-    res = []
+    res: list[tuple[int, object]] = []
     for f in frames:
         t = f[1][0]
         if t == wire.RequestType.ABORT:
@@ -362,16 +362,14 @@ def test_the_renamed_id_map_stays_bounded_by_the_live_requests():
 
 
 def _count_encodes(monkeypatch) -> list[str]:
-    from zmqdispatch.protocol import runtime
-
     calls: list[str] = []
-    real = runtime.wire.encode_request
+    real = wire.encode_request  # the module protocol.runtime encodes with
 
     def counting(req):
         calls.append(req.request_id)
         return real(req)
 
-    monkeypatch.setattr(runtime.wire, "encode_request", counting)
+    monkeypatch.setattr(wire, "encode_request", counting)
     return calls
 
 

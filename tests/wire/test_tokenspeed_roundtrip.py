@@ -469,6 +469,7 @@ def test_logprob_ints_and_short_logprobs_are_accepted() -> None:
 
 
 def test_short_and_non_batch_messages_are_refused() -> None:
+    raw: object
     for raw in (_two()[:8], [ts.BATCH_TAG], [], {"rids": []}, "BatchTokenIDOutSlim", 5):
         with pytest.raises(RemoteProtocolError):
             ts.decode_outputs([msgpack.packb(raw)])
