@@ -148,7 +148,8 @@ def main() -> int:
     window = max(16 * args.concurrency, 4096)  # harness.window_for
     cell = {"name": "profile", "concurrency": args.concurrency, "step_interval_ms": args.step_interval_ms,
             "seconds": args.seconds, "warmup_s": 1.0, "window": window}
-    runner = subprocess.Popen([sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", *(["--group"] if args.group else [])],
+    runner = subprocess.Popen([sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch",
+                               *(["--group"] if args.group else [])],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     tmp = tempfile.mkdtemp(prefix="zmqd-profile-")
     raw_path = args.raw or os.path.join(tmp, "stacks.txt")

@@ -97,7 +97,8 @@ def main() -> None:
     print(f"{'C':>6} {'req-ticks/s':>12} {'tokens/s':>10} {'deliv/tick':>10} {'steps/s':>9} {'CPU us/tick':>11}")
     for r in rows:
         print(f"{r['concurrency']:>6} {r['request_ticks_per_s']:>12,.0f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['deliveries_per_tick']:>10.2f} {r['engine_steps_per_s']:>9,.0f} {r['client_cpu_us_per_tick']:>11.2f}")
+              f"{r['deliveries_per_tick']:>10.2f} {r['engine_steps_per_s']:>9,.0f} "
+              f"{r['client_cpu_us_per_tick']:>11.2f}")
 
 
 if __name__ == "__main__":

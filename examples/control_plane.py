@@ -47,8 +47,8 @@ async def main(launch: str | list[str]) -> None:
         async with client.generate(request("long", max_tokens=200)) as stream:
             await client.pause_scheduler("abort")
             async for delta in stream:
-                pass
-        print("running request ended with:", delta.finish_reason.name)
+                last = delta
+        print("running request ended with:", last.finish_reason.name)
         await client.resume_scheduler()
         async with client.generate(request("after", max_tokens=4)) as stream:
             tokens = [t async for delta in stream for t in delta.token_ids]

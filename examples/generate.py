@@ -30,7 +30,8 @@ async def main(handshake_address: str | None = None) -> None:
         async with client.generate(t.request) as stream:  # leaving the block early aborts the request
             async for delta in stream:  # OutputDelta: the new tokens (merged if the reader lags)
                 for response in builder.feed(delta):  # GenerateResponse: chunks, then one complete
-                    print(response.WhichOneof("response"), list(response.chunk.token_ids or response.complete.output_ids))
+                    ids = response.chunk.token_ids or response.complete.output_ids
+                    print(response.WhichOneof("response"), list(ids))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ re-encodes (``encode_outputs`` with as many elements as it had, up to 14) to a
 message that decodes to the same batch.
 
     python fuzz/seed_corpus.py tokenspeed_outputs fuzz/corpus/tokenspeed_outputs
-    python fuzz/tokenspeed_outputs.py fuzz/corpus/tokenspeed_outputs -atheris_runs=1000000 -rss_limit_mb=1024 -timeout=10
+    python fuzz/tokenspeed_outputs.py fuzz/corpus/tokenspeed_outputs \
+        -atheris_runs=1000000 -rss_limit_mb=1024 -timeout=10
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def check_batch(b: ts.TokenSpeedBatch, budget: int) -> None:
     assert set(b.finished_rids()) <= set(b.rids)
     load = b.load
     if load is not None:
-        load.kv_usage  # kv_total_pages > 0: no ZeroDivisionError
+        _ = load.kv_usage  # kv_total_pages > 0: no ZeroDivisionError
     # What decodes re-encodes to a fixed point: encode(decode(encode(b))) ==
     # encode(b) (bytes, so NaN logprob values compare equal).
     canon = _canon(b)

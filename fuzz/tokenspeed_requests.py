@@ -18,7 +18,8 @@ one value per input byte; ``finalize_add`` is idempotent; a decoded ADD
 re-encodes (``encode_add``) to a fixed point of decode/encode.
 
     python fuzz/seed_corpus.py tokenspeed_requests fuzz/corpus/tokenspeed_requests
-    python fuzz/tokenspeed_requests.py fuzz/corpus/tokenspeed_requests -atheris_runs=1000000 -rss_limit_mb=1024 -timeout=10
+    python fuzz/tokenspeed_requests.py fuzz/corpus/tokenspeed_requests \
+        -atheris_runs=1000000 -rss_limit_mb=1024 -timeout=10
 """
 
 from __future__ import annotations

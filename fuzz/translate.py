@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import ClassVar
 
 import atheris
 
@@ -66,8 +67,8 @@ class ByteTokenizer:
     (id = byte + 3), a few multi-byte tokens, specials 0..2; unknown ids decode
     to nothing, invalid UTF-8 to U+FFFD (what real tokenizers do)."""
 
-    SPECIAL = {0: "<s>", 1: "</s>", 2: "<tool>"}
-    MULTI = {b"ab": 300, b"STOP": 301, b"\n\n": 302, "é".encode(): 303}
+    SPECIAL: ClassVar[dict[int, str]] = {0: "<s>", 1: "</s>", 2: "<tool>"}
+    MULTI: ClassVar[dict[bytes, int]] = {b"ab": 300, b"STOP": 301, b"\n\n": 302, "é".encode(): 303}
 
     def __init__(self) -> None:
         self._by_id = {v: k for k, v in self.MULTI.items()}
@@ -237,7 +238,8 @@ def build_request(fdp: atheris.FuzzedDataProvider) -> pb.GenerateRequest:
 
 
 def build_config(fdp: atheris.FuzzedDataProvider) -> TranslationConfig:
-    mml = fdp.PickValueInList([1, 2, 8, 64, 512, 4096, 2**31 - 1]) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(1, 2**20)
+    mml = (fdp.PickValueInList([1, 2, 8, 64, 512, 4096, 2**31 - 1]) if fdp.ConsumeBool()
+           else fdp.ConsumeIntInRange(1, 2**20))
     return TranslationConfig(
         max_model_len=mml,
         eos_token_ids=tuple(_ids(fdp, 3)),

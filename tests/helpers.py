@@ -20,7 +20,9 @@ def make_request(rid: str = "r1", prompt: Sequence[int] = (1, 2, 3), **sp: objec
     )
 
 
-def out(rid: str, tokens: Sequence[int], finish: wire.FinishReason | None = None, **kw: object) -> wire.EngineCoreOutput:
+def out(
+    rid: str, tokens: Sequence[int], finish: wire.FinishReason | None = None, **kw: object
+) -> wire.EngineCoreOutput:
     """One EngineCoreOutput."""
     return wire.EngineCoreOutput(request_id=rid, new_token_ids=tuple(tokens), finish_reason=finish, **kw)
 

@@ -21,8 +21,8 @@ remove the socket file when the socket closes. So a plain ``bind`` would
    unlink / bind (``/tmp`` itself is refused: use a private directory);
 2. nothing at the path: fine;
 3. a socket (``lstat``) at the path: if something listens on it (read from
-   ``/proc/net/unix``, without connecting to it), wait briefly (a socket we closed a moment ago is torn down asynchronously
-   by libzmq's I/O thread, typically within 1 ms) and then refuse with
+   ``/proc/net/unix``, without connecting to it), wait briefly (a socket we closed a moment ago is torn down
+   asynchronously by libzmq's I/O thread, typically within 1 ms) and then refuse with
    ``EADDRINUSE``; otherwise it is stale and is unlinked;
 4. anything else (regular file, directory, symlink, fifo): refused with an
    :class:`OSError` naming the path; nothing is removed.

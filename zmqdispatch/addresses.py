@@ -37,7 +37,8 @@ SCHEMES = ("tcp", "ipc", "inproc")
 #: Longest ipc path in bytes: ``sizeof(sockaddr_un.sun_path)`` (108) minus the NUL.
 IPC_PATH_MAX = 107
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?")
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 _DOTTED_NUMBERS = re.compile(r"[0-9.]+")
 
 _FORMS = "expected tcp://HOST:PORT or ipc://PATH"

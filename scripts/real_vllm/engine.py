@@ -81,7 +81,7 @@ import time
 # The worker is spawned ("spawn" start method), which re-imports this file as
 # __mp_main__: keep module level free of side effects and of vllm imports.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_model import default_model_dir, write_tiny_model  # noqa: E402
+from tiny_model import default_model_dir, write_tiny_model
 
 LOG_PREFIX = "[zmqd-engine]"
 

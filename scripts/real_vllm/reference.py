@@ -79,8 +79,8 @@ import sys
 # vLLM spawns its engine process with the "spawn" start method, which
 # re-imports this file as __mp_main__: keep module level free of side effects.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import PrivateRpcDir, offline_environment  # noqa: E402
-from tiny_model import default_model_dir, write_tiny_model  # noqa: E402
+from engine import PrivateRpcDir, offline_environment
+from tiny_model import default_model_dir, write_tiny_model
 
 
 def _completion_json(completion, with_text: bool = False) -> dict:

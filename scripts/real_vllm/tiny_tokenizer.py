@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_model import TINY_LLAMA_CONFIG, write_tiny_model  # noqa: E402
+from tiny_model import TINY_LLAMA_CONFIG, write_tiny_model
 
 __all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "WORDS", "build_vocab_and_merges", "decode", "write_tiny_tokenizer"]
 

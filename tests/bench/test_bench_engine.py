@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def test_steps_decode_like_the_wire_encoder(k: int) -> None:
     enc.add("c", 2, 1)  # finishes in its first output
     seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
     for step in range(5):
-        payload, ts, rows, tokens, finished = enc.encode_step(step, clock=lambda: 123.5 + step)
+        payload, ts, rows, tokens, finished = enc.encode_step(step, clock=lambda s=step: 123.5 + s)
         msg = _decode(payload)
         assert msg.engine_index == 2 and msg.timestamp == ts == 123.5 + step
         assert msg.weight_version == "default" and msg.finished_requests is None
@@ -111,7 +112,7 @@ def test_engine_process_serves_raw_client(tmp_path) -> None:
             (row,) = m.outputs
             assert len(row[1]) == 2
             assert table[row[1][0] - header["first_step"]] == m.timestamp
-        assert all(b.timestamp > a.timestamp for a, b in zip(msgs, msgs[1:]))
+        assert all(b.timestamp > a.timestamp for a, b in itertools.pairwise(msgs))
         assert msgs[0].timestamp <= time.monotonic()
         router.send_multipart([identity, bytes([wire.RequestType.ABORT]), wire.encode_abort(["x"])])
         assert ctl.wait_idle(10)["aborts"] == 1

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -126,7 +127,7 @@ class _Progress:
 
 
 class _FakeEngine:
-    started: list[tuple[str, list[str]]] = []
+    started: ClassVar[list[tuple[str, list[str]]]] = []
     stopped = 0
 
     def __init__(self, python: str, scripts: Path, handshake: str, args: list[str], log_path: Path) -> None:
@@ -142,7 +143,7 @@ class _FakeEngine:
 class _FakeRunner:
     """Answers like a runner: the figures from fixed delivery logs; vLLM slower, SMG slower still."""
 
-    runs: list[tuple[str, list[str]]] = []
+    runs: ClassVar[list[tuple[str, list[str]]]] = []
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env=None) -> None:
         self.name, self.argv = name, argv

@@ -337,7 +337,8 @@ async def test_leaving_with_a_stopped_spawned_engine_stops_it_with_sigterm_not_a
     import signal
 
     with trio.fail_after(GUARD + 30):
-        async with connect(launch=mock_argv(), config=ClientConfig(handshake_timeout=30, terminate_grace=10.0)) as client:
+        config = ClientConfig(handshake_timeout=30, terminate_grace=10.0)
+        async with connect(launch=mock_argv(), config=config) as client:
             proc = client._process
             os.killpg(proc.pid, signal.SIGSTOP)
         assert proc.returncode == 0

@@ -89,7 +89,8 @@ async def test_two_tasks_receiving_on_one_stream_is_a_typed_misuse():
 
 
 async def test_a_second_interrupt_during_engine_shutdown_kills_the_process_group():
-    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    ignore_term = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('up', flush=True); time.sleep(600)")
     proc = await trio.lowlevel.open_process([sys.executable, "-c", ignore_term], start_new_session=True,
                                             stdout=subprocess.PIPE)
     assert (await proc.stdout.receive_some(2)) == b"up"

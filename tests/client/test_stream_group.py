@@ -117,7 +117,9 @@ async def test_engine_death_is_one_item_per_request():
             with trio.fail_after(10):
                 _, errors, _ = await drain(group)
         assert sorted(errors) == [f"d{i}" for i in range(5)]
-        assert all(isinstance(e, EngineDeadError) and e.reason == "sentinel" for e in errors.values()), {k: (type(e), getattr(e, "reason", None), str(e)) for k, e in errors.items()}
+        assert all(isinstance(e, EngineDeadError) and e.reason == "sentinel" for e in errors.values()), {
+            k: (type(e), getattr(e, "reason", None), str(e)) for k, e in errors.items()
+        }
 
 
 async def test_a_cancelled_receive_loses_nothing_and_misuse_is_refused():

@@ -189,7 +189,7 @@ async def test_submit_burst_while_streaming_completes_everything():  # K1
 
             async def run(rid: str) -> None:
                 async with client.generate(make_request(rid, max_tokens=2)) as s:
-                    async for d in s:
+                    async for _ in s:
                         pass
                     done.append(rid)
 

@@ -104,7 +104,7 @@ async def test_unknown_vllm_version_fails_the_handshake(caplog):
 
 async def test_unknown_tokenspeed_version_fails_the_handshake():
     with trio.fail_after(GUARD):
-        with pytest.raises(EngineHandshakeError, match="tokenspeed-0.2.0"):
+        with pytest.raises(EngineHandshakeError, match=r"tokenspeed-0\.2\.0"):
             async with _engine_reporting("tokenspeed-0.2.0"):
                 pytest.fail("connected to an unknown engine version")
 

@@ -105,8 +105,8 @@ async def test_a_tcp_handshake_address_is_bound_exactly_as_given(tmp_path):
 
     info = tmp_path / "rec.json"
     with trio.fail_after(GUARD):
-        async with connect("tcp://127.0.0.1:0", launch=[sys.executable, "-c", RECORDER, str(info), "{handshake_address}"],
-                           config=ClientConfig(handshake_timeout=20)) as client:
+        launch = [sys.executable, "-c", RECORDER, str(info), "{handshake_address}"]
+        async with connect("tcp://127.0.0.1:0", launch=launch, config=ClientConfig(handshake_timeout=20)) as client:
             assert await client.get_supported_tasks() == ("generate",)
     assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", json.loads(info.read_text())["address"])
 

@@ -81,7 +81,7 @@ async def test_a_pending_utility_call_fails_at_once_instead_of_timing_out(small_
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as nursery:
                 async def call() -> None:
-                    with pytest.raises(RemoteProtocolError, match="'is_sleeping'.*MAX_FRAME_BYTES"):
+                    with pytest.raises(RemoteProtocolError, match=r"'is_sleeping'.*MAX_FRAME_BYTES"):
                         await client.call_utility("is_sleeping")
 
                 nursery.start_soon(call)
@@ -113,7 +113,7 @@ async def test_drops_in_a_row_never_kill_an_engine_that_reconnects(small_frames)
     # likely.)
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
-            for round_ in range(3):
+            for _ in range(3):
                 drops = client.protocol.output_drops
                 await engine.send_tokens("gone", BIG)
                 await engine.send_tokens("gone", BIG)
@@ -186,7 +186,8 @@ async def test_an_output_connection_that_never_comes_back_is_death_not_a_healthy
             cause = await client.wait_dead()
             assert cause.reason == "output_disconnected" and "did not come back" in str(cause)
             waited = trio.current_time() - t0
-            assert limits.OUTPUT_RECONNECT_GRACE <= waited < limits.OUTPUT_RECONNECT_GRACE + limits.OUTPUT_DROP_GRACE + 0.5
+            grace = limits.OUTPUT_RECONNECT_GRACE
+            assert grace <= waited < grace + limits.OUTPUT_DROP_GRACE + 0.5
             assert not client.is_alive
             with pytest.raises(EngineDeadError):
                 client.generate(make_request("r2"))

@@ -365,7 +365,7 @@ def test_mutated_tokenspeed_batches_raise_only_remote_errors(frames: list[bytes]
     list(b.outputs())
     b.finished_rids()
     if b.load is not None:
-        b.load.kv_usage
+        _ = b.load.kv_usage
     canon = ts.encode_outputs(b, elements=min(b.wire_elements, ts.BATCH_ELEMENTS))
     assert ts.encode_outputs(ts.decode_outputs(canon), elements=min(b.wire_elements, ts.BATCH_ELEMENTS)) == canon
 

@@ -47,7 +47,8 @@ def test_generate_against_embedded_mock_prints_chunks_then_complete():
 
 
 def test_generate_reads_proto_json_from_stdin_and_is_deterministic():
-    req = {"request_id": "cli-1", "tokenized": {"input_ids": [7, 8, 9]}, "sampling_params": {"max_tokens": 4, "temperature": 0}, "stream": False}
+    req = {"request_id": "cli-1", "tokenized": {"input_ids": [7, 8, 9]},
+           "sampling_params": {"max_tokens": 4, "temperature": 0}, "stream": False}
     p1 = run_cli("generate", "--request", "-", stdin=json.dumps(req))
     p2 = run_cli("generate", "--request", "-", stdin=json.dumps(req))
     assert p1.returncode == 0, p1.stderr
@@ -159,7 +160,7 @@ def test_generate_with_n3_prints_chunks_tagged_0_to_2_and_three_completes():
 
 
 def test_stop_strings_with_a_tokenizer_file(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers", reason="the 'tokenizers' package (test extra) is not installed")
+    pytest.importorskip("tokenizers", reason="the 'tokenizers' package (test extra) is not installed")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(1000)}

@@ -185,7 +185,7 @@ async def test_a_prompt_reaching_max_model_len_kills_the_vllm_mock_as_vllm_032(t
             async with connect(address, config=ClientConfig(handshake_timeout=GUARD)) as client:
                 # the client's own check refuses it first ...
                 too_long = make_request("long", prompt=range(16 + extra), max_tokens=1)
-                with pytest.raises(Exception, match="max_model_len|context"):
+                with pytest.raises(Exception, match=r"max_model_len|context"):
                     client.generate(too_long)
                 # ... so bypass it, as a client without that check would
                 client.check_request = lambda _request: None

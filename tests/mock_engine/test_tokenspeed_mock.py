@@ -172,6 +172,7 @@ def test_cli_runtime_mismatch_with_the_engine_is_an_engine_error():
     # a vLLM client pointed at a TokenSpeed engine: the handshake says who dialed in
     import sys
 
-    launch = f"{sys.executable} -m zmqdispatch mock-engine --runtime tokenspeed --handshake-address {{handshake_address}}"
+    launch = (f"{sys.executable} -m zmqdispatch mock-engine --runtime tokenspeed "
+              "--handshake-address {handshake_address}")
     p = run_cli("generate", "--prompt-token-ids", "1,2", "--max-tokens", "2", "--launch", launch)
     assert p.returncode == 3 and "TokenSpeed scheduler" in p.stderr

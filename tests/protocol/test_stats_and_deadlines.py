@@ -226,7 +226,7 @@ def test_total_deadline_and_requests_that_ended_first():
     p = EngineProtocol()
     sched = DeadlineScheduler()
     slow = timed(p, "slow", sched, 0.0, total=5.0, first_token=1.0)
-    done = timed(p, "done", sched, 0.0, total=5.0)
+    timed(p, "done", sched, 0.0, total=5.0)
     drain(p)
     p.frames_received(outputs_frames([out("slow", [1]), out("done", [1], wire.FinishReason.STOP)]), now=0.5)
     ((mb, exc),) = sched.pop_expired(10.0)

@@ -61,7 +61,7 @@ def test_runtime_is_read_from_the_ready_response():
 
 
 def test_a_required_runtime_that_did_not_dial_in_is_a_handshake_error():
-    with pytest.raises(EngineHandshakeError, match="expected a vLLM EngineCore.*TokenSpeed scheduler"):
+    with pytest.raises(EngineHandshakeError, match=r"expected a vLLM EngineCore.*TokenSpeed scheduler"):
         Runtime.resolve("vllm", ready("tokenspeed-0.1.1"))
     with pytest.raises(EngineHandshakeError, match="expected a TokenSpeed scheduler"):
         Runtime.resolve(Runtime.TOKENSPEED, ready("0.32.0"))

@@ -45,7 +45,7 @@ from zmqdispatch.wire import vllm as wire
 from .conftest import MAX_MODEL_LEN, SCRIPTS, started_engine
 
 sys.path.insert(0, str(SCRIPTS))
-from tiny_tokenizer import decode  # noqa: E402  (stdlib only)
+from tiny_tokenizer import decode  # stdlib only
 
 pytestmark = pytest.mark.real_engine
 

@@ -106,7 +106,8 @@ def test_set_fields_travel():
 
 @pytest.mark.parametrize(
     ("which", "wire_name"),
-    [("regex", "regex"), ("json_schema", "json_schema"), ("ebnf_grammar", "ebnf"), ("structural_tag", "structural_tag")],
+    [("regex", "regex"), ("json_schema", "json_schema"), ("ebnf_grammar", "ebnf"),
+     ("structural_tag", "structural_tag")],
 )
 def test_each_constraint_maps_to_its_wire_field(which, wire_name):
     value = '{"type": "object"}' if which in ("json_schema", "structural_tag") else "root ::= 'a'"

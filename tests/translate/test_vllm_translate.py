@@ -153,7 +153,8 @@ def test_choice_is_sent_as_vllms_ebnf_grammar_on_xgrammar_and_as_is_on_guidance(
 
     # expected value computed with vLLM 0.32.0's own choice_as_grammar
     assert choice_as_grammar(["yes", "no", 'a"b\\c\nd\x01']) == 'root ::= "yes" | "no" | "a\\"b\\\\c\\nd\\u0001"'
-    so = params(req(max_tokens=4, choice=pb.ChoiceConstraint(choices=["x", "y"])), structured_outputs_backend="guidance").structured_outputs
+    so = params(req(max_tokens=4, choice=pb.ChoiceConstraint(choices=["x", "y"])),
+                structured_outputs_backend="guidance").structured_outputs
     assert so.choice == ("x", "y") and so.grammar is None and so.backend == "guidance"
 
 
@@ -180,7 +181,8 @@ def test_structured_outputs_equal_what_vllms_front_end_sends(vector, constraint)
 
 
 def test_structured_output_backend_is_configurable_but_structural_tag_needs_xgrammar():
-    assert params(req(max_tokens=4, regex="a"), structured_outputs_backend="guidance").structured_outputs.backend == "guidance"
+    so = params(req(max_tokens=4, regex="a"), structured_outputs_backend="guidance").structured_outputs
+    assert so.backend == "guidance"
     so = params(req(max_tokens=4, structural_tag="{}"), structured_outputs_backend="guidance").structured_outputs
     assert so.backend == "xgrammar"
 

@@ -61,7 +61,7 @@ def views(draw):
 def test_contiguous_data_is_not_copied():
     a = np.arange(100, dtype=np.float32).reshape(10, 10)
     out = as_c_bytes(a)
-    assert isinstance(out, memoryview) and out.obj is a or np.shares_memory(np.frombuffer(out, np.float32), a)
+    assert (isinstance(out, memoryview) and out.obj is a) or np.shares_memory(np.frombuffer(out, np.float32), a)
     a[0, 0] = 7.0  # zero-copy: the frame sees the caller's memory
     assert np.frombuffer(out, np.float32)[0] == 7.0
     assert as_c_bytes(b"abc") == b"abc"

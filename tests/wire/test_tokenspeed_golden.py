@@ -80,7 +80,8 @@ def request_from_view(view: dict[str, Any]) -> ts.TokenizedGenerateReqInput:
     kwargs = dict(view)
     kwargs["sampling_params"] = ts.TokenSpeedSamplingParams(**view["sampling_params"])
     if view["session_params"] is not None:
-        kwargs["session_params"] = ts.SessionParams(**dict(zip(("id", "rid", "offset", "replace"), view["session_params"])))
+        session = dict(zip(("id", "rid", "offset", "replace"), view["session_params"]))
+        kwargs["session_params"] = ts.SessionParams(**session)
     return ts.TokenizedGenerateReqInput(**kwargs)
 
 

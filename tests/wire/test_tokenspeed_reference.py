@@ -33,7 +33,8 @@ import json
 import os
 import subprocess
 import textwrap
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import msgpack
@@ -164,7 +165,8 @@ _HELPER = textwrap.dedent(
             setattr(sp, key, value)
         kwargs = dict(view, sampling_params=sp)
         if view.get("session_params") is not None:
-            kwargs["session_params"] = SessionParams(**dict(zip(("id", "rid", "offset", "replace"), view["session_params"])))
+            session = dict(zip(("id", "rid", "offset", "replace"), view["session_params"]))
+            kwargs["session_params"] = SessionParams(**session)
         return TokenizedGenerateReqInput(**kwargs)
 
     def frames(hexes):
@@ -315,7 +317,8 @@ _OUT_NAMES = {"logprob_vals": "output_token_logprobs_val", "logprob_ids": "outpu
 
 
 def batch_view(b: ts.TokenSpeedBatch) -> dict[str, Any]:
-    return {_OUT_NAMES.get(f.name, f.name): plain(getattr(b, f.name)) for f in attrs.fields(type(b)) if f.name != "wire_elements"}
+    return {_OUT_NAMES.get(f.name, f.name): plain(getattr(b, f.name))
+            for f in attrs.fields(type(b)) if f.name != "wire_elements"}
 
 
 def hexes(frames: list[bytes]) -> list[str]:
@@ -358,7 +361,8 @@ def test_tokenspeed_encodes_what_we_encode(tokenspeed: TokenSpeedHelper, req: ts
         assert _unordered(ts.decode_add(theirs)) == _unordered(ts.decode_add(ours))
     else:
         assert theirs == ours
-    assert _unordered(ts.decode_add(theirs)) == _unordered(attrs.evolve(req, sampling_params=req.sampling_params.derive()))
+    derived = attrs.evolve(req, sampling_params=req.sampling_params.derive())
+    assert _unordered(ts.decode_add(theirs)) == _unordered(derived)
 
 
 @SETTINGS
@@ -460,7 +464,8 @@ def test_add_acceptance_matches_tokenspeed(tokenspeed: TokenSpeedHelper, payload
 def test_verify_matches_tokenspeed(tokenspeed: TokenSpeedHelper, sp: ts.TokenSpeedSamplingParams, vocab: int) -> None:
     view = sampling_view(sp)
     reply = tokenspeed.call(op="verify", sampling_params=view, vocab_size=vocab)
-    assert (reply["error"] is None) == (sp.validation_error(vocab) is None), (reply["error"], sp.validation_error(vocab))
+    ours = sp.validation_error(vocab)
+    assert (reply["error"] is None) == (ours is None), (reply["error"], ours)
 
 
 # ----------------------------------------------------------------- outputs
@@ -479,7 +484,9 @@ def test_outputs_both_ways(tokenspeed: TokenSpeedHelper, batch: ts.TokenSpeedBat
 
 @SETTINGS
 @given(st.sampled_from([9, 10]).flatmap(lambda n: st.tuples(st.just(n), batches(elements=n))))
-def test_legacy_outputs_decode_in_tokenspeed(tokenspeed: TokenSpeedHelper, case: tuple[int, ts.TokenSpeedBatch]) -> None:
+def test_legacy_outputs_decode_in_tokenspeed(
+    tokenspeed: TokenSpeedHelper, case: tuple[int, ts.TokenSpeedBatch]
+) -> None:
     elements, batch = case
     reply = tokenspeed.call(op="out_decode", frames=hexes(ts.encode_outputs(batch, elements=elements)))
     assert reply["error"] is None and reply["decoded"] == batch_view(batch)

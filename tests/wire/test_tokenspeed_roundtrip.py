@@ -131,7 +131,9 @@ def batches(draw: st.DrawFn, elements: int = 14) -> ts.TokenSpeedBatch:
         engine_index=draw(tail) if elements >= 10 else 0,
         rids=rids,
         output_ids=out_ids,
-        finished_reasons=tuple(draw(st.lists(st.sampled_from(["", "stop", "length", "abort"]) | text, min_size=m, max_size=m))),
+        finished_reasons=tuple(
+            draw(st.lists(st.sampled_from(["", "stop", "length", "abort"]) | text, min_size=m, max_size=m))
+        ),
         prompt_tokens=draw(counts),
         completion_tokens=draw(counts),
         cached_tokens=draw(counts),
@@ -150,7 +152,8 @@ def expected_decode(req: ts.TokenizedGenerateReqInput) -> ts.TokenizedGenerateRe
 
 
 def base_add(**changes: object) -> ts.TokenizedGenerateReqInput:
-    kwargs: dict = {"rid": "r1", "input_ids": (5, 6, 7), "sampling_params": ts.TokenSpeedSamplingParams(max_new_tokens=16)}
+    kwargs: dict = {"rid": "r1", "input_ids": (5, 6, 7),
+                    "sampling_params": ts.TokenSpeedSamplingParams(max_new_tokens=16)}
     return ts.TokenizedGenerateReqInput(**{**kwargs, **changes})
 
 
@@ -220,7 +223,9 @@ def test_add_prefix_refuses_to_drop_a_set_field() -> None:
 
 @SETTINGS
 @given(requests, st.lists(json_values, min_size=1, max_size=3), st.lists(json_values, min_size=1, max_size=3))
-def test_add_extra_trailing_elements_are_ignored(req: ts.TokenizedGenerateReqInput, extra: list, extra_sp: list) -> None:
+def test_add_extra_trailing_elements_are_ignored(
+    req: ts.TokenizedGenerateReqInput, extra: list, extra_sp: list
+) -> None:
     raw = raw_add(req)
     raw[5] = raw[5] + extra_sp
     assert ts.decode_add([msgpack.packb(raw + extra)]) == expected_decode(req)
@@ -249,7 +254,7 @@ def test_minimum_add_and_defaults() -> None:
     assert (sp.top_k, sp.temperature, sp.n, sp.is_normalized, sp.stop_strs) == (ts.TOP_K_DISABLED, 1.0, 1, False, None)
     assert (req.logprob_start_len, req.top_logprobs_num, req.created_time) == (-1, 0, 0.0)
     for short in ([ts.REQUEST_TAG, "r", None, None, [1]], [ts.REQUEST_TAG], []):
-        with pytest.raises(RemoteProtocolError, match="missing positional field|tagged array"):
+        with pytest.raises(RemoteProtocolError, match=r"missing positional field|tagged array"):
             ts.decode_add([msgpack.packb(short)])
 
 
@@ -392,7 +397,8 @@ def test_outputs_legacy_roundtrip(case: tuple[int, ts.TokenSpeedBatch]) -> None:
 def test_outputs_missing_tail_defaults_to_zero(batch: ts.TokenSpeedBatch, keep: int) -> None:
     raw = msgpack.unpackb(ts.encode_outputs(batch)[0])
     got = ts.decode_outputs([msgpack.packb(raw[:keep])])
-    zeros = {name: 0 for name in ("engine_index", "num_running", "num_waiting", "kv_active_pages", "kv_total_pages")[keep - 9 :]}
+    names = ("engine_index", "num_running", "num_waiting", "kv_active_pages", "kv_total_pages")
+    zeros = {name: 0 for name in names[keep - 9 :]}
     assert got == attrs.evolve(batch, **zeros)
 
 
@@ -407,14 +413,15 @@ def test_outputs_extra_trailing_elements_and_aux_frames_are_ignored(
 
 
 def _two() -> list:
-    return [ts.BATCH_TAG, ["a", "b"], [[1], [2, 3]], ["", "stop"], [3, 4], [1, 2], [0, 0], [[], [-0.5, -0.25]], [[], [2, 3]], 0, 1, 0, 2, 10]
+    return [ts.BATCH_TAG, ["a", "b"], [[1], [2, 3]], ["", "stop"], [3, 4], [1, 2], [0, 0], [[], [-0.5, -0.25]],
+            [[], [2, 3]], 0, 1, 0, 2, 10]
 
 
 @pytest.mark.parametrize("col", range(1, 9))
 def test_ragged_columns_are_refused(col: int) -> None:
     raw = _two()
     raw[col] = raw[col][:1]
-    with pytest.raises(RemoteProtocolError, match="ragged|values for"):
+    with pytest.raises(RemoteProtocolError, match=r"ragged|values for"):
         ts.decode_outputs([msgpack.packb(raw)])
 
 
@@ -540,7 +547,8 @@ def test_arbitrary_bytes_raise_only_remote_protocol_error(payload: bytes) -> Non
 msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
     | st.binary(max_size=6) | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=4)),
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=4) | st.integers(-(2**63), 2**64 - 1), c, max_size=3),
+    lambda c: st.lists(c, max_size=4)
+    | st.dictionaries(st.text(max_size=4) | st.integers(-(2**63), 2**64 - 1), c, max_size=3),
     max_leaves=12,
 )
 
@@ -575,7 +583,8 @@ def test_whatever_decodes_is_a_well_formed_batch(value: object) -> None:
     except RemoteProtocolError:
         return
     m = len(b.rids)
-    cols = (b.output_ids, b.finished_reasons, b.prompt_tokens, b.completion_tokens, b.cached_tokens, b.logprob_vals, b.logprob_ids)
+    cols = (b.output_ids, b.finished_reasons, b.prompt_tokens, b.completion_tokens, b.cached_tokens, b.logprob_vals,
+            b.logprob_ids)
     assert all(type(c) is tuple and len(c) == m for c in cols)
     assert all(type(r) is str for r in b.rids + b.finished_reasons)
     assert all(type(x) is int and 0 <= x < 2**32 for x in b.prompt_tokens + b.completion_tokens + b.cached_tokens)
@@ -726,7 +735,8 @@ def test_encoders_refuse_what_the_wire_cannot_carry() -> None:
 
 
 def test_ready_response_encoder_checks() -> None:
-    resp = ts.EngineCoreReadyResponse(max_model_len=4096, dtype="bfloat16", vllm_version="tokenspeed-0.1.1", block_size=16)
+    resp = ts.EngineCoreReadyResponse(max_model_len=4096, dtype="bfloat16", vllm_version="tokenspeed-0.1.1",
+                                      block_size=16)
     raw = msgpack.unpackb(ts.encode_ready_response(resp))
     assert list(raw)[:3] == ["max_model_len", "num_gpu_blocks", "prefix_granularity"] and len(raw) == 19
     assert "block_size" not in raw and raw["prefix_granularity"] == 16

@@ -596,9 +596,9 @@ def test_lying_tensor_headers_are_refused_without_allocation() -> None:
         decode_tensor(["int32", [1], 0], [b"\x00" * 4])  # frame 0 is the body, never data
     with pytest.raises(RemoteProtocolError, match="index"):
         decode_tensor(["int32", [1], 2], [b"", b"\x00" * 4])
-    with pytest.raises(RemoteProtocolError, match="index|ext type"):
+    with pytest.raises(RemoteProtocolError, match=r"index|ext type"):
         decode_tensor(["int32", [1], True], [b"", b"\x00" * 4])
-    with pytest.raises(RemoteProtocolError, match="rank|shape"):
+    with pytest.raises(RemoteProtocolError, match=r"rank|shape"):
         decode_tensor(["int32", [1] * 65, b"\x00" * 4], [b""])
     for code in (1, 2, 9):
         with pytest.raises(RemoteProtocolError, match="ext type"):

@@ -314,7 +314,7 @@ class GcTimer:
             self.collections[info["generation"]] += 1
             self.seconds_by_generation[info["generation"]] += pause
 
-    def __enter__(self) -> "GcTimer":
+    def __enter__(self) -> GcTimer:
         self.tracked_objects = len(gc.get_objects())
         self.frozen_objects = gc.get_freeze_count()
         gc.callbacks.append(self._callback)

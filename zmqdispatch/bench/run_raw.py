@@ -174,7 +174,8 @@ def main() -> int:
             try:
                 cell = common.cell_settings(cmd["cell"])
                 if cell["kind"] == "idle_rss":
-                    result = {"client": "raw", "cell": cell["name"], "skipped": "the raw loop keeps no per-stream state"}
+                    result = {"client": "raw", "cell": cell["name"],
+                              "skipped": "the raw loop keeps no per-stream state"}
                 else:
                     result = loop.throughput(cell)
                 common.emit(out, "result", result=result)

@@ -106,7 +106,8 @@ class _Handshake(threading.Thread):
     response reaches its input socket. :meth:`finish` raises what went wrong.
     """
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, input_address: str, output_address: str, timeout: float = 600) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, input_address: str, output_address: str,
+                 timeout: float = 600) -> None:
         import zmq
 
         super().__init__(name="bench-handshake", daemon=True)
@@ -326,7 +327,7 @@ async def amain(args: argparse.Namespace, out: TextIO, loop_name: str) -> None:
 
     async def idle_rss(cell: dict[str, Any]) -> dict[str, Any]:
         nonlocal cell_no
-        control, acks = _need(ctl, "control channel"), _need(acker, "credit channel")
+        control = _need(ctl, "control channel")
         cell_no += 1
         await to_thread(control.request, "cfg", {"mode": "hold", "window": 0})
         base = (await to_thread(control.request, "stats"))["adds"]
@@ -334,13 +335,13 @@ async def amain(args: argparse.Namespace, out: TextIO, loop_name: str) -> None:
         prompts = [make_prompt(common.prompt_tokens(cell["prompt_len"], i)) for i in range(c)]
         sp = sampling(cell["max_tokens"])
 
-        async def consume(i: int) -> None:
-            async for _ in llm.generate(prompts[i], sp, request_id=f"v{cell_no}-{i}"):
+        async def consume(i: int, prompt: Any) -> None:
+            async for _ in llm.generate(prompt, sp, request_id=f"v{cell_no}-{i}"):
                 pass
 
         gc.collect()
         before = common.rss_bytes()
-        tasks = [asyncio.create_task(consume(i)) for i in range(c)]
+        tasks = [asyncio.create_task(consume(i, prompts[i])) for i in range(c)]
         try:
             await to_thread(control.wait_adds, base + c)
             await asyncio.sleep(0.5)

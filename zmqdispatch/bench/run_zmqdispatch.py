@@ -411,7 +411,7 @@ class Runner:
 
 
 async def amain(args: argparse.Namespace, out: TextIO) -> None:
-    import trio.testing  # noqa: F401  (wait_all_tasks_blocked)
+    import trio.testing  # wait_all_tasks_blocked
 
     tmp = common.PrivateDir()
     ctx = zmq.Context()

@@ -252,7 +252,8 @@ class MockEngineCore:
         if method in ("add_lora", "remove_lora", "pin_lora", "list_loras"):
             return None, "Worker failed with error 'LoRA is not enabled. Use --enable-lora to enable LoRA.'"
         if method == "profile":
-            return None, "Worker failed with error 'Profiling is not enabled. Please set --profiler-config to enable profiling.'"
+            return None, ("Worker failed with error 'Profiling is not enabled. "
+                          "Please set --profiler-config to enable profiling.'")
         return _UNKNOWN, None
 
     def utility(self, method: str, args: tuple[Any, ...]) -> tuple[object, str | None]:

@@ -211,7 +211,8 @@ def validate_stops(stops: str | Iterable[str] | None, *, request_id: str = "") -
     for i, s in enumerate(items):
         if not isinstance(s, str):
             raise RequestRejected(
-                f"{_STOP_FIELD}[{i}]: must be a string, got {type(s).__name__}", request_id=request_id, field=_STOP_FIELD
+                f"{_STOP_FIELD}[{i}]: must be a string, got {type(s).__name__}",
+                request_id=request_id, field=_STOP_FIELD,
             )
         if not s:
             raise RequestRejected(
@@ -303,7 +304,7 @@ def resolve_stop_strings(
                 continue
             if tok.decode([t], skip_special_tokens) != s:
                 continue
-        except Exception:  # noqa: BLE001 -- unencodable: text match only
+        except Exception:  # unencodable: text match only
             continue
         new_ids[t] = s
     return StopPlan(stops=items, stop_token_ids=tuple(new_ids), token_stops=new_ids)

@@ -776,7 +776,9 @@ class ResponseBuilder:
         return pb.GenerateResponse(complete=complete)
 
 
-def responses(deltas: Iterable[OutputDelta], prompt_len: int, *, stream: bool = True, **kw: Any) -> list[pb.GenerateResponse]:
+def responses(
+    deltas: Iterable[OutputDelta], prompt_len: int, *, stream: bool = True, **kw: Any
+) -> list[pb.GenerateResponse]:
     """Convenience for tests: all responses for a finished sequence of deltas."""
     b = ResponseBuilder(prompt_len, stream=stream, **kw)
     out: list[pb.GenerateResponse] = []
