@@ -114,7 +114,8 @@ def parse_requests(
             rejected.append(LineRejected(number, "", f"not JSON: {why}{pos}"))
             continue
         if not isinstance(obj, dict):
-            rejected.append(LineRejected(number, "", f"expected a JSON object (a GenerateRequest), got {_describe(obj)}"))
+            rejected.append(
+                LineRejected(number, "", f"expected a JSON object (a GenerateRequest), got {_describe(obj)}"))
             continue
         request = message_type()
         try:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -196,7 +197,7 @@ def test_a_closed_stdout_aborts_the_rest_and_exits_141():
 # ------------------------------------------------------------------ the line checks
 
 
-def _check(request: object) -> list[str]:
+def _check(request: Any) -> list[str]:
     n = request.sampling_params.n
     if request.sampling_params.temperature < 0:
         raise RequestRejected("sampling_params.temperature: must be >= 0", field="sampling_params.temperature")

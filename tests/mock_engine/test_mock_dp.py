@@ -249,6 +249,7 @@ def test_todays_one_engine_client_refuses_a_two_rank_mock():
 ])
 def test_dp_flags_are_refused_by_name(flags, message):
     p = subprocess.run([sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address",
-                        "ipc:///tmp/zmqd-never-dialed.sock", *flags], capture_output=True, text=True, timeout=60, check=False)
+                        "ipc:///tmp/zmqd-never-dialed.sock", *flags],
+                       capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2
     assert message in p.stderr and p.stderr.count("\n") == 1 and p.stdout == ""
