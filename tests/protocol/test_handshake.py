@@ -72,7 +72,7 @@ def test_a_second_hello_from_the_same_engine_during_its_handshake_is_an_error():
 def test_a_hello_from_more_engines_than_expected_is_an_error():
     h = machine()
     h.handshake_received([E0, HELLO], 1.0)
-    with pytest.raises(EngineHandshakeError, match="second HELLO.*expected 1 engine"):
+    with pytest.raises(EngineHandshakeError, match=r"second HELLO.*expected 1 engine"):
         h.handshake_received([E1, HELLO], 2.0)
 
 
@@ -112,7 +112,8 @@ def test_the_handshake_connection_closing_mid_handshake_fails_it_after_the_grace
     h.peer_disconnected(5, 2.0)
     assert h.next_deadline() == 2.25
     h.timer_fired(2.2)
-    with pytest.raises(EngineHandshakeError, match="closed its handshake connection while the handshake waited for READY"):
+    with pytest.raises(EngineHandshakeError,
+                       match="closed its handshake connection while the handshake waited for READY"):
         h.timer_fired(2.25)
 
 

@@ -321,9 +321,10 @@ def test_placement_invariants_under_any_event_sequence(ops: list[tuple[object, .
             for k in range(3):
                 es.request_finished(f"r{op[1]}.{k}")
         elif kind == "report":
-            _, e, running, waiting = op
-            if p.report_load(e, es.state(e).incarnation, num_running=running, num_waiting=waiting):  # type: ignore[arg-type]
-                since[e] = (running + waiting, 0)  # type: ignore[assignment, operator]
+            _, reporter, running, waiting = op
+            if p.report_load(reporter, es.state(reporter).incarnation,  # type: ignore[arg-type]
+                             num_running=running, num_waiting=waiting):  # type: ignore[arg-type]
+                since[reporter] = (running + waiting, 0)  # type: ignore[index, operator]
         elif kind == "die":
             es.engine_died(op[1], "sentinel")  # type: ignore[arg-type]
             since.pop(op[1], None)  # type: ignore[arg-type]
@@ -338,8 +339,8 @@ def test_placement_invariants_under_any_event_sequence(ops: list[tuple[object, .
 
         loads = {load.engine_index: load for load in p.loads()}
         # The loads the scan reads (kept current on each event) equal the ones recomputed.
-        ups, kept = es._up_records()
-        assert {e.index: score for e, score in zip(ups, kept)} == {
+        up_records, kept = es._up_records()
+        assert {e.index: score for e, score in zip(up_records, kept)} == {
             i: load.score for i, load in loads.items() if load.state is EngineState.UP
         }
         for i, load in loads.items():

@@ -242,7 +242,8 @@ class EngineLink:
         if inflight > 0:
             return LinkDecision(
                 LinkAction.DIE, "silence",
-                f"engine {self.engine_index} sent nothing for {self.silence_timeout} s with {inflight} requests in flight",
+                f"engine {self.engine_index} sent nothing for {self.silence_timeout} s "
+                f"with {inflight} requests in flight",
             )
         self.last_activity = now
         return None
