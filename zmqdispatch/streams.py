@@ -309,7 +309,8 @@ class RequestStream:
             if self._eof:
                 raise trio.EndOfChannel
             if self._closed:
-                raise RequestStreamClosed(f"request {self.request_id!r}: stream was aborted", request_id=self.request_id)
+                raise RequestStreamClosed(f"request {self.request_id!r}: stream was aborted",
+                                          request_id=self.request_id)
             delta = mb.take()  # raises the stream's error once nothing is pending
             if delta is not None:
                 if delta.finish_reason is not None:

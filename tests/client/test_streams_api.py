@@ -105,7 +105,8 @@ async def test_group_members_are_handles_and_abort_alone() -> None:
                     await engine.receive_add()
                 await engine.send_outputs([out("a", [1]), out("b", [2])])
                 batch = await group.receive()
-                assert {(m, tuple(d.token_ids)) for m, d in batch if isinstance(d, OutputDelta)} == {(a, (1,)), (b, (2,))}
+                got = {(m, tuple(d.token_ids)) for m, d in batch if isinstance(d, OutputDelta)}
+                assert got == {(a, (1,)), (b, (2,))}
                 assert len(batch) == 2
                 a.abort()
                 a.abort()  # idempotent: still one ABORT
