@@ -50,7 +50,7 @@ import signal
 import subprocess
 import sys
 from time import perf_counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -279,6 +279,9 @@ class EngineConnection:
         self._pump_scope: trio.CancelScope | None = None
         self._dead = trio.Event()
         self._ending = trio.Event()  # set by a death sign or a death (for observers)
+        #: called with the cause at the first death sign or death (a
+        #: many-engine client takes the engine out of placement at once).
+        self.on_ending: Callable[[EngineDeadError], None] | None = None
         # per-request deadlines: one heap, one task (_deadline_watch)
         self._deadlines = DeadlineScheduler()
         link.start(trio.current_time())
@@ -286,6 +289,8 @@ class EngineConnection:
         def on_death(exc: EngineDeadError) -> None:
             self._dead.set()
             self._ending.set()
+            if self.on_ending is not None:
+                self.on_ending(exc)
             link.died(exc.reason)
             self._sync_pump()
 
@@ -315,9 +320,11 @@ class EngineConnection:
                 if p.state is LinkState.READY and p.gone is None:
                     _log.info("engine %d gone (%s): %s; routing the outputs it sent before (drain, at most %s s)",
                               self.engine_index, decision.reason, decision.message, self._link.drop_grace)
-                    p.engine_gone(EngineDeadError(decision.message, engine_index=self.engine_index,
-                                                  reason=decision.reason))
+                    gone = EngineDeadError(decision.message, engine_index=self.engine_index, reason=decision.reason)
+                    p.engine_gone(gone)
                     self._ending.set()
+                    if self.on_ending is not None:
+                        self.on_ending(gone)
             elif action is LinkAction.DIE:
                 if p.gone is not None and decision.reason == p.gone.reason:
                     _log.info("engine %d: drain done (%d output messages received in all)", self.engine_index,
@@ -1150,8 +1157,18 @@ async def connect(
     launch_stdout: int | None = None,
     resume: EngineSession | None = None,
     runtime: Runtime | str | None = None,
+    data_parallel_size: int | None = None,
+    quorum: int = 1,
+    data_plane_host: str | None = None,
 ) -> AsyncIterator[EngineClient]:
     """Bind the three sockets, handshake one engine, and serve it.
+
+    With ``data_parallel_size=N`` (N >= 1), serve many engines instead: yields
+    a :class:`zmqdispatch.multi.MultiEngineClient` once N engines completed
+    their handshake, each with its own socket pair; the handshake socket stays
+    open for engines that dial later or restart. ``quorum`` and
+    ``data_plane_host`` (and a list of handshake addresses) apply to that mode
+    only: :func:`zmqdispatch.multi.connect_engines`, ``docs/many-engines.md``.
 
     The engine is a vLLM EngineCore or a TokenSpeed scheduler in direct-ZMQ
     mode (``ts serve --headless``); which one is read from its ready response
@@ -1200,6 +1217,18 @@ async def connect(
     sends queued ABORTs best-effort, closes the sockets, removes the private
     ipc directory and terminates a spawned engine.
     """
+    if data_parallel_size is not None:
+        if resume is not None:
+            raise ValueError("resume= re-attaches one engine; it does not combine with data_parallel_size")
+        from .multi import connect_engines  # the many-engine shell is built on this module
+
+        async with connect_engines(handshake_address, data_parallel_size=data_parallel_size, quorum=quorum,
+                                   launch=launch, config=config, launch_stdout=launch_stdout, runtime=runtime,
+                                   data_plane_host=data_plane_host) as many:
+            yield many  # type: ignore[misc]  # a MultiEngineClient: the EngineClient request API, per engine
+        return
+    if quorum != 1 or data_plane_host is not None:
+        raise ValueError("quorum / data_plane_host apply to many engines: pass data_parallel_size")
     config = config or ClientConfig()
     if launch is not None:
         _format_launch(launch, "")  # refuse a malformed command before anything is bound

@@ -228,6 +228,15 @@ class EngineProtocol:
         self.send_waiter: Callable[[], None] | None = None
         #: called once when the link dies; set by the shell.
         self.on_death: Callable[[EngineDeadError], None] | None = None
+        #: called with a request's mailbox as it leaves the request table
+        #: (finished, failed, aborted; not at death: the death is one event);
+        #: set by a many-engine shell (placement counts). Once per request.
+        self.on_retired: Callable[[Mailbox], None] | None = None
+        #: called with a load report before the rows of the message carrying it:
+        #: ``(scheduler_stats map, EngineCoreOutputs.timestamp)`` (vLLM, with
+        #: log_stats) or ``(LoadSnapshot, None)`` (TokenSpeed); set by a
+        #: many-engine shell (placement).
+        self.on_load: Callable[[Any, float | None], None] | None = None
         # counters (observability; read-only for callers)
         self.unknown_outputs = 0
         self.decode_errors = 0
@@ -435,6 +444,8 @@ class EngineProtocol:
             if mb is None:
                 continue
             del self._requests[mb.wire_id]
+            if self.on_retired is not None:
+                self.on_retired(mb)
             mb.fail(
                 error if error is not None else RequestStreamClosed(f"request {rid!r} was aborted", request_id=rid)
             )
@@ -537,6 +548,8 @@ class EngineProtocol:
             error.__cause__ = exc
             if mb is not None:
                 del self._requests[mb.wire_id]
+                if self.on_retired is not None:
+                    self.on_retired(mb)
                 mb.fail(error)
             out.error = error
             out._settle(SendState.REJECTED)
@@ -610,6 +623,8 @@ class EngineProtocol:
             if entry.add.state is SendState.QUEUED:
                 continue
             del self._requests[rid]
+            if self.on_retired is not None:
+                self.on_retired(entry)
             entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: {message}"))
             self._queue_abort(rid)
             woke = True
@@ -712,6 +727,8 @@ class EngineProtocol:
     def _route(self, msg: wire.EngineCoreOutputs, frames: list[bytes]) -> None:
         requests = self._requests
         ts = msg.timestamp
+        if msg.scheduler_stats is not None and self.on_load is not None:
+            self.on_load(msg.scheduler_stats, ts)
         to_abort: list[str] | None = None
         unknown = self.unknown_outputs
         for row in msg.outputs:
@@ -726,10 +743,14 @@ class EngineProtocol:
                 # This request's logprobs do not decode: fail it alone.
                 mb.fail(exc)
                 del requests[rid]
+                if self.on_retired is not None:
+                    self.on_retired(mb)
                 (to_abort := to_abort or []).append(rid)
                 continue
             if status != PUT_MORE:
                 del requests[rid]
+                if self.on_retired is not None:
+                    self.on_retired(mb)
                 if status == PUT_OVERFLOW:
                     self._slow_consumer(mb)
                     (to_abort := to_abort or []).append(rid)
@@ -754,6 +775,8 @@ class EngineProtocol:
             for rid in msg.finished_requests:
                 entry = requests.pop(rid, None)
                 if entry is not None:
+                    if self.on_retired is not None:
+                        self.on_retired(entry)
                     entry.finish(wire.FinishReason.ABORT)
                     self.stats.count_finish(entry)
         if to_abort:
@@ -777,6 +800,8 @@ class EngineProtocol:
         """Route one TokenSpeed ``BatchTokenIDOutSlim`` (columns parallel to ``rids``)."""
         if batch.kv_total_pages > 0:
             self.load = batch.load
+            if self.on_load is not None:
+                self.on_load(batch.load, None)
         requests = self._requests
         to_abort: list[str] | None = None
         reasons = batch.finished_reasons
@@ -812,6 +837,8 @@ class EngineProtocol:
             except RemoteProtocolError as exc:
                 mb.fail(exc)
                 del requests[rid]
+                if self.on_retired is not None:
+                    self.on_retired(mb)
                 (to_abort := to_abort or []).append(rid)
                 continue
             if reason and finish is None:
@@ -831,8 +858,12 @@ class EngineProtocol:
                         f"request {mb.request_id!r}: engine finished the request with an error (see engine logs)",
                         request_id=mb.request_id))
                 del requests[rid]
+                if self.on_retired is not None:
+                    self.on_retired(mb)
             elif status != PUT_MORE:
                 del requests[rid]
+                if self.on_retired is not None:
+                    self.on_retired(mb)
                 if status == PUT_OVERFLOW:
                     self._slow_consumer(mb)
                     (to_abort := to_abort or []).append(rid)
@@ -861,6 +892,8 @@ class EngineProtocol:
             if entry is None or entry.add.state is SendState.QUEUED:
                 continue
             del requests[rid]
+            if self.on_retired is not None:
+                self.on_retired(entry)
             entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: undecodable engine output: {exc}"))
             if self.state is LinkState.READY:
                 self._queue_abort(rid)

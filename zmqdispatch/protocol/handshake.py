@@ -33,7 +33,7 @@ from .. import limits
 from ..errors import EngineHandshakeError, EngineHandshakeTimeout, RemoteProtocolError
 from ..wire import vllm as wire
 
-__all__ = ["EngineHandshake", "Handshake", "HandshakeStep"]
+__all__ = ["EngineHandshake", "Handshake", "HandshakeStep", "check_not_lockstep"]
 
 
 @attrs.define(slots=True)
@@ -246,3 +246,26 @@ class Handshake:
             raise EngineHandshakeTimeout(
                 f"engine handshake timed out after {self.timeout} s waiting for {stage}", stage=stage
             )
+
+
+def check_not_lockstep(ready: wire.EngineCoreReadyResponse, identity: bytes, *, vllm: bool) -> None:
+    """Refuse a vLLM engine that runs MoE lock-step waves.
+
+    A vLLM ``DPEngineCoreProc`` reports ``data_parallel_size > 1`` in its ready
+    response: its ranks step together in waves, and a front end must run the
+    wave protocol (start-wave messages, wave-complete notices, dummy batches
+    on idle ranks). This client does not, so such a rank is refused rather
+    than left to stall (``docs/many-engines.md`` §5). Independent DP ranks
+    (non-MoE models) report 1. TokenSpeed ranks report the group size and are
+    independent: not refused (*vllm* False).
+
+    Raises:
+        EngineHandshakeError: naming the rank and the reported size.
+    """
+    if vllm and ready.data_parallel_size > 1:
+        raise EngineHandshakeError(
+            f"engine identity {identity.hex()} (data_parallel_rank {ready.data_parallel_rank}) reports "
+            f"data_parallel_size {ready.data_parallel_size}: a lock-step (MoE wave) data-parallel rank; "
+            "zmqdispatch does not implement the wave protocol, so it serves only independent ranks "
+            "(data_parallel_size 1 in each engine's ready response)"
+        )

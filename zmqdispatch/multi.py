@@ -1,0 +1,765 @@
+"""One client, many engines: the trio shell around
+:class:`~zmqdispatch.protocol.engines.EngineSet` and
+:class:`~zmqdispatch.protocol.placement.Placement`.
+
+:func:`connect_engines` (also ``connect(..., data_parallel_size=N)``) binds one
+handshake ROUTER (on one or several addresses) and keeps it open: every
+engine that dials it (the ranks of ``vllm serve --headless --data-parallel-size
+N``, independent engines, TokenSpeed ranks, a restarted rank) is handshaken
+on its own, gets its **own** input ROUTER / output PULL pair (INIT names them),
+and is served by its own :class:`~zmqdispatch.client.EngineConnection`, so its
+sentinel, its connections closing and its silence are its own::
+
+    handshake ROUTER (bind, stays open) <- every engine: HELLO / INIT / READY
+    per engine: input ROUTER <- its DEALER, output PULL <- its PUSH, their monitors
+
+:class:`MultiEngineClient` places each request (``Placement``: least loaded,
+random ties, ``data_parallel_rank`` pins, the samples of one request on one
+engine), routes aborts to the engine holding the request, and fans control
+calls out (:meth:`MultiEngineClient.call_all`). One engine's death fails only
+its requests, each with ``EngineDeadError(engine_index=...)``, and takes it out
+of placement at its first death sign. Rules: ``docs/many-engines.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+import zmq
+
+from . import _ipc, limits
+from ._zmq_trio import PeerUnreachable, TrioSocket, ZmqContext
+from .addresses import check_address
+from .client import (
+    _HANDSHAKE_FAILED,
+    ClientConfig,
+    EngineClient,
+    EngineConnection,
+    RequestStream,
+    _check_version,
+    _format_launch,
+    _private_ipc_dir,
+    _terminate,
+    _unwrap,
+)
+from .errors import (
+    AddressBindError,
+    EngineDeadError,
+    EngineHandshakeError,
+    EngineHandshakeTimeout,
+    LocalProtocolError,
+    NoEngineAvailableError,
+    RequestRejected,
+)
+from .metrics import EngineStats
+from .protocol.deadlines import Deadlines, effective_deadlines
+from .protocol.engine import EngineProtocol, LinkState
+from .protocol.engines import EngineSet, EngineState, EngineStatus, Route, format_ranks
+from .protocol.handshake import Handshake, check_not_lockstep
+from .protocol.link import EngineLink
+from .protocol.mailbox import Mailbox
+from .protocol.placement import EngineLoad, Placement
+from .protocol.runtime import Runtime
+
+__all__ = ["MultiEngineClient", "connect_engines"]
+
+_log = logging.getLogger("zmqdispatch.client")
+
+
+class _PlacedStream(RequestStream):
+    """A :class:`RequestStream` whose engine is chosen when it is entered
+    (nothing is placed, or counted, for a stream that is never entered)."""
+
+    __slots__ = ("_multi", "_pin")
+
+    def __init__(self, multi: MultiEngineClient, engine: EngineClient, request_id: str, request: Any,
+                 deadlines: Deadlines | None, pin: int | None) -> None:
+        super().__init__(engine, request_id, request, deadlines)
+        self._multi = multi
+        self._pin = pin
+
+    def _queue(self) -> None:
+        if self._mailbox is None and not self._closed:
+            multi = self._multi
+            self._client = multi._place_one(self.request_id, self._request, self._pin, self._client)
+            try:
+                super()._queue()
+            except BaseException:
+                multi._set.request_finished(self.request_id)
+                raise
+
+
+@attrs.define
+class _Member:
+    """One engine incarnation served by the client."""
+
+    client: EngineClient
+    connection: EngineConnection
+    route: Route
+    sockets: list[TrioSocket]
+
+
+class MultiEngineClient:
+    """Many engines behind one client. Create with :func:`connect_engines`
+    (or ``connect(..., data_parallel_size=N)``).
+
+    The request API is :class:`~zmqdispatch.client.EngineClient`'s
+    (:meth:`generate`, :meth:`abort`, :meth:`check_request`); each request
+    goes to one engine. One engine: ``client.engine(i)``, an ``EngineClient``
+    (its control plane, its stats, its ``ready``).
+
+    Attributes:
+        config: the :class:`ClientConfig` in force (for every engine).
+        quorum: the number of ``up`` engines below which :meth:`generate`
+            refuses new requests (``NoEngineAvailableError``).
+    """
+
+    def __init__(self, *, config: ClientConfig, quorum: int, rng: Any = None) -> None:
+        self.config = config
+        self.quorum = quorum
+        self._set = EngineSet()
+        self._placement = Placement(self._set, rng=rng)
+        self._members: dict[int, _Member] = {}
+        self._drains: dict[int, trio.Event] = {}
+        self._changed = trio.Event()  # set (and replaced) on every engine state change
+        self._closed = False
+
+    def __repr__(self) -> str:
+        states = ", ".join(f"{s.engine_index}:{s.state.value}" for s in self._set.snapshot())
+        return f"<MultiEngineClient engines=[{states}] in_flight={self._set.total_in_flight}>"
+
+    # ------------------------------------------------------------------ engines and states
+
+    @property
+    def engines(self) -> dict[int, EngineClient]:
+        """Every known engine's current incarnation, by ``engine_index`` (dead ones included)."""
+        return {i: m.client for i, m in sorted(self._members.items())}
+
+    def engine(self, engine_index: int) -> EngineClient:
+        """The :class:`EngineClient` of one engine (its control plane, stats, ``ready``).
+
+        Raises:
+            LocalProtocolError: no engine has that index (the message lists the known ones).
+        """
+        m = self._members.get(engine_index)
+        if m is None:
+            raise LocalProtocolError(
+                f"engine {engine_index!r} is not known (known: {format_ranks(self._members)})"
+            )
+        return m.client
+
+    def states(self) -> tuple[EngineStatus, ...]:
+        """Every engine's :class:`~zmqdispatch.protocol.engines.EngineStatus`
+        (``up`` / ``draining`` / ``dead`` with its reason, incarnation, in flight), by index."""
+        return self._set.snapshot()
+
+    def loads(self) -> tuple[EngineLoad, ...]:
+        """What placement sees of each engine (own requests, reported load terms)."""
+        return self._placement.loads()
+
+    @property
+    def up_count(self) -> int:
+        return self._set.up_count
+
+    @property
+    def has_quorum(self) -> bool:
+        """At least :attr:`quorum` engines are ``up``."""
+        return self._set.has_quorum(self.quorum)
+
+    @property
+    def is_alive(self) -> bool:
+        """The client takes new requests: not closed, and :attr:`has_quorum`."""
+        return not self._closed and self.has_quorum
+
+    @property
+    def runtime(self) -> Runtime:
+        """The engines' runtime (all engines of one client speak the same one)."""
+        return self._any().runtime
+
+    @property
+    def max_model_len(self) -> int:
+        """The smallest ``max_model_len`` among the engines (a request that fits it fits any)."""
+        return min(m.client.max_model_len for m in self._members.values())
+
+    @property
+    def ready(self) -> Any:
+        """The ready response of the lowest-index engine (``client.engine(i).ready`` for one)."""
+        return self._any().ready
+
+    def _any(self) -> EngineClient:
+        if not self._members:
+            raise LocalProtocolError("no engine has completed its handshake")
+        return self._members[min(self._members)].client
+
+    async def wait_for_engines(self, n: int) -> None:
+        """Wait until at least *n* engines are ``up`` (e.g. after a restart, or
+        for engines that dial in later). No timeout of its own: wrap it in
+        ``trio.move_on_after``."""
+        while self._set.up_count < n:
+            await self._changed.wait()
+
+    def _state_changed(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # ------------------------------------------------------------------ drain
+
+    def start_drain(self, engine_index: int) -> bool:
+        """Stop placing new requests on the engine (pinned ones get
+        ``EngineDrainingError``); its requests go on. Returns whether it is
+        already drained. Synchronous, idempotent.
+
+        Raises:
+            LocalProtocolError: the engine is unknown or dead.
+        """
+        drained = self._set.drain(engine_index)
+        _log.info("engine %d: draining (%d in flight)", engine_index, self._set.in_flight(engine_index))
+        self._state_changed()
+        return drained
+
+    async def drain(self, engine_index: int) -> None:
+        """:meth:`start_drain`, then wait until the engine has no request in
+        flight (or died). The engine stays ``draining`` (connected, serving
+        control calls) until :meth:`undrain`. Cancellation: the wait ends, the
+        engine stays ``draining``."""
+        if self.start_drain(engine_index):
+            await trio.lowlevel.checkpoint()
+            return
+        event = self._drains.setdefault(engine_index, trio.Event())
+        await event.wait()
+
+    def undrain(self, engine_index: int) -> None:
+        """Take the engine back into placement (``up``)."""
+        self._set.undrain(engine_index)
+        self._drains.pop(engine_index, None)
+        self._state_changed()
+
+    def _drain_check(self, engine_index: int) -> None:
+        event = self._drains.get(engine_index)
+        if event is not None and (
+            self._set.is_drained(engine_index) or self._set.state(engine_index).state is EngineState.DEAD
+        ):
+            del self._drains[engine_index]
+            event.set()
+
+    # ------------------------------------------------------------------ requests
+
+    def check_request(self, request: Any) -> None:
+        """Validate *request* against the engine it is pinned to, or against
+        every ``up`` engine's limits (nothing is sent). Raises what
+        :meth:`EngineClient.check_request` raises."""
+        pin = getattr(request, "data_parallel_rank", None)
+        self._validation_engine(pin, "").check_request(request)
+
+    def _validation_engine(self, pin: Any, request_id: str) -> EngineClient:
+        if pin is not None:
+            if type(pin) is not int or pin not in self._members:
+                raise RequestRejected(
+                    f"data_parallel_rank {pin!r} is not an engine of this client; valid ranks: "
+                    f"{format_ranks(self._members)}",
+                    request_id=request_id,
+                    field="data_parallel_rank",
+                )
+            return self._members[pin].client
+        # The engine with the smallest context window: a request valid there is valid anywhere.
+        return min((m.client for m in self._members.values()), key=lambda c: c.max_model_len,
+                   default=None) or self._any()
+
+    def _check_quorum(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine client is closed", reason="closed")
+        if not self._set.has_quorum(self.quorum):
+            words = {s.engine_index: s.state.value if s.reason is None else f"{s.state.value}: {s.reason}"
+                     for s in self._set.snapshot()}
+            raise NoEngineAvailableError(
+                f"{self._set.up_count} engine(s) up, below the quorum of {self.quorum}: "
+                + ", ".join(f"engine {i} {w}" for i, w in words.items()),
+                states=words,
+            )
+
+    def generate(self, request: Any, *, deadlines: Deadlines | None = None) -> RequestStream:
+        """Validate *request*; return its stream (``async with``). The engine
+        is picked when the stream is entered (least loaded; ``request.data_parallel_rank``
+        pins it), so a stream never entered is never placed.
+
+        Raises (now, nothing sent):
+            RequestRejected: validation failed; ``data_parallel_rank`` names no
+                engine (``field="data_parallel_rank"``, the message lists the ranks).
+            DuplicateRequestIdError: the id is live on some engine.
+            NoEngineAvailableError: fewer than :attr:`quorum` engines are up.
+            EngineDeadError / EngineDrainingError: the pinned engine is dead / draining.
+        Raises on entering: the same (the state may have changed), and what
+        ``RequestStream`` raises.
+        """
+        pin = getattr(request, "data_parallel_rank", None)
+        self._check_quorum()
+        rid = self._any().runtime.request_id(request)
+        engine = self._validation_engine(pin, rid)
+        engine.check_request(request)
+        deadlines = effective_deadlines(deadlines)
+        self._set.check_new_ids((rid,))
+        if pin is not None:
+            self._set.check_can_start(pin, rid)
+        return _PlacedStream(self, engine, rid, request, deadlines, pin)
+
+    def _place_one(self, rid: str, request: Any, pin: int | None, checked: EngineClient) -> EngineClient:
+        """Place one request (entering its stream) and return its engine."""
+        self._check_quorum()
+        route = self._placement.place(rid, data_parallel_rank=pin)
+        engine = self._members[route.engine_index].client
+        if engine is not checked and engine.max_model_len != checked.max_model_len:
+            try:
+                engine.check_request(request)
+            except BaseException:
+                self._set.request_finished(rid, route)
+                raise
+        return engine
+
+    def _colocate(self, request_ids: Sequence[str], pin: int | None = None) -> tuple[EngineClient, Route]:
+        """Place the samples of one request (``n > 1``) on one engine; the
+        caller submits them there (``zmqdispatch.fanout``) or releases them
+        with :meth:`_release`."""
+        self._check_quorum()
+        route = self._placement.place(list(request_ids), data_parallel_rank=pin)
+        return self._members[route.engine_index].client, route
+
+    def _release(self, request_ids: Sequence[str], route: Route) -> None:
+        for rid in request_ids:
+            self._set.request_finished(rid, route)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests by id on the engines holding them (synchronous,
+        idempotent; unknown ids are ignored)."""
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            route = self._set.route(rid)
+            if route is not None:
+                by_engine.setdefault(route.engine_index, []).append(rid)
+        for index, ids in by_engine.items():
+            self._members[index].client.abort(ids)
+
+    def stats(self) -> dict[int, EngineStats]:
+        """Each engine's :class:`~zmqdispatch.metrics.EngineStats`, by index."""
+        return {i: m.client.stats() for i, m in sorted(self._members.items())}
+
+    # ------------------------------------------------------------------ control plane
+
+    async def call_all(self, method: str, *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """Call ``EngineClient.<method>(*args, **kwargs)`` (``is_sleeping``,
+        ``reset_prefix_cache``, ``sleep``, ``call_utility``, ...) on every
+        engine that is not dead, concurrently; one result per engine, by
+        ``engine_index``. An engine's failure is its value (the exception
+        instance), so one engine's error hides no other's result.
+
+        Raises:
+            AttributeError: no such ``EngineClient`` method (nothing is sent).
+        """
+        targets = {i: m.client for i, m in sorted(self._members.items())
+                   if self._set.state(i).state is not EngineState.DEAD}
+        calls = {i: getattr(c, method) for i, c in targets.items()}
+        results: dict[int, Any] = {}
+
+        async def one(i: int, fn: Callable[..., Any]) -> None:
+            try:
+                results[i] = await fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (the engine's outcome, reported per engine)
+                results[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i, fn in calls.items():
+                nursery.start_soon(one, i, fn)
+        return dict(sorted(results.items()))
+
+    async def call_utility(self, method: str, *args: Any, engine_index: int,
+                           timeout: float | None = None) -> Any:
+        """``EngineClient.call_utility`` on one engine (see :meth:`call_all` for every engine)."""
+        return await self.engine(engine_index).call_utility(method, *args, timeout=timeout)
+
+    # ------------------------------------------------------------------ engine events (shell)
+
+    def _engine_joined(self, member: _Member) -> None:
+        index = member.route.engine_index
+        if index in self._members:
+            route = self._set.engine_returned(index)
+        else:
+            route = self._set.add_engine(index)
+        member.route = route
+        self._members[index] = member
+        conn = member.connection
+        protocol = conn._protocol
+        engines = self._set
+        placement = self._placement
+        drains = self._drains
+        finished = engines.request_finished
+
+        def on_retired(mb: Mailbox) -> None:
+            finished(mb.request_id, route)
+            if drains:
+                self._drain_check(index)
+
+        def on_ending(exc: EngineDeadError) -> None:
+            if self._members.get(index) is member and engines.state(index).state is not EngineState.DEAD:
+                lost = engines.engine_died(index, exc.reason)
+                _log.warning("engine %d out of placement (%s): %d request(s) on it fail with its death; %d of "
+                             "%d engine(s) up", index, exc.reason, len(lost), engines.up_count,
+                             len(self._members))
+                self._drain_check(index)
+                self._state_changed()
+
+        if protocol.runtime is Runtime.VLLM:
+            def on_load(stats: Any, timestamp: float | None) -> None:
+                placement.report_scheduler_stats(index, route.incarnation, stats, timestamp)
+        else:
+            def on_load(stats: Any, timestamp: float | None) -> None:
+                placement.report_load(index, route.incarnation, num_running=stats.num_running,
+                                      num_waiting=stats.num_waiting,
+                                      kv_cache_usage=stats.kv_usage if stats.kv_total_pages > 0 else None)
+
+        protocol.on_retired = on_retired
+        protocol.on_load = on_load
+        conn.on_ending = on_ending
+        self._state_changed()
+
+
+@attrs.define
+class _Pending:
+    """An engine mid-handshake: its machine and its fresh socket pair."""
+
+    identity: bytes
+    machine: Handshake
+    inp: TrioSocket
+    out: TrioSocket
+    monitor: TrioSocket | None
+    out_monitor: TrioSocket
+    input_address: str
+    output_address: str
+    ready_status: trio.Event = attrs.Factory(trio.Event)
+
+    def sockets(self) -> list[TrioSocket]:
+        return [s for s in (self.monitor, self.out_monitor, self.out, self.inp) if s is not None]
+
+
+def _close_sockets(sockets: Sequence[TrioSocket]) -> None:
+    """Close one engine's sockets: monitors first, the input ROUTER last and
+    lingering (queued ABORTs leave in the background)."""
+    for s in sockets:
+        if s.name in ("input", "output"):
+            s.disable_monitor()
+    for s in sockets:
+        if s.name == "input":
+            s.close(linger_ms=1000)
+        else:
+            s.close()
+
+
+@asynccontextmanager
+async def connect_engines(
+    handshake_address: str | Sequence[str] | None = None,
+    *,
+    data_parallel_size: int = 1,
+    quorum: int = 1,
+    launch: str | Sequence[str] | None = None,
+    config: ClientConfig | None = None,
+    launch_stdout: int | None = None,
+    runtime: Runtime | str | None = None,
+    data_plane_host: str | None = None,
+    rng: Any = None,
+) -> AsyncIterator[MultiEngineClient]:
+    """Bind the handshake ROUTER, wait for *data_parallel_size* engines, and serve them all.
+
+    Args:
+        handshake_address: where the engines dial (``tcp://HOST:PORT`` for
+            ``vllm serve --headless --data-parallel-address HOST
+            --data-parallel-rpc-port PORT``), or several addresses (one
+            socket bound to each). Default: a private ``ipc://`` path. The
+            socket stays open: engines that dial later (scale out, a restarted
+            rank) are handshaken and placed while the client runs.
+        data_parallel_size: engines to wait for before yielding (vLLM's name;
+            each engine's identity, its DP rank, is its ``engine_index``).
+        quorum: below this many ``up`` engines :meth:`MultiEngineClient.generate`
+            refuses new requests (``NoEngineAvailableError``); requests on
+            live engines go on, and the client serves again once engines return.
+        launch / launch_stdout / runtime / config: as :func:`zmqdispatch.connect`
+            (one launched process may run every rank: ``zmqdispatch mock-engine
+            --data-parallel-size N``).
+        data_plane_host: bind each engine's socket pair on ``tcp://HOST:<free port>``
+            (engines on other hosts) instead of private ``ipc://`` paths. Use an
+            address of this host the engines can reach; nothing else is bound
+            unless asked.
+        rng: the placement's tie-break ``random.Random`` (tests seed it).
+
+    Yields:
+        a :class:`MultiEngineClient` with at least *data_parallel_size* engines up.
+
+    Raises:
+        EngineHandshakeTimeout: fewer than *data_parallel_size* engines completed
+            their handshake within ``handshake_timeout``.
+        EngineHandshakeError: an engine's handshake failed at startup (malformed,
+            a lock-step MoE rank, a refused version), or the launched process exited.
+        ValueError: ``data_parallel_size`` / ``quorum`` out of range, or a fixed
+            ``config.input_address`` / ``output_address`` (each engine needs its own pair).
+        InvalidAddressError / AddressBindError: as :func:`zmqdispatch.connect`.
+
+    After startup a failed handshake (a lock-step rank, a refused version, a
+    timeout) is logged at WARNING and that engine is not served; the others go on.
+
+    Cancellation: as :func:`zmqdispatch.connect`, for every engine.
+    """
+    config = config or ClientConfig()
+    if type(data_parallel_size) is not int or not 1 <= data_parallel_size <= 65536:
+        raise ValueError(f"data_parallel_size: expected 1..65536 engines, got {data_parallel_size!r}")
+    if type(quorum) is not int or not 1 <= quorum:
+        raise ValueError(f"quorum: expected an int >= 1, got {quorum!r}")
+    if config.input_address is not None or config.output_address is not None:
+        raise ValueError("input_address / output_address: each engine gets a socket pair of its own; "
+                         "use data_plane_host= to bind them on tcp")
+    addresses = [handshake_address] if isinstance(handshake_address, str) else list(handshake_address or [])
+    if launch is not None:
+        _format_launch(launch, "")
+    for a in addresses:
+        check_address(a, role="handshake_address", any_port=launch is not None)
+    if data_plane_host is not None:
+        check_address(f"tcp://{data_plane_host}:0", role="data_plane_host", any_port=True)
+    wanted_runtime = runtime
+    ctx = ZmqContext()
+    ipc_dir: str | None = None
+    seq = itertools.count()
+
+    def ipc(name: str) -> str:
+        nonlocal ipc_dir
+        if ipc_dir is None:
+            ipc_dir = _private_ipc_dir()
+        return f"ipc://{ipc_dir}/{name}"
+
+    async def bind(sock: TrioSocket, address: str, role: str) -> str:
+        try:
+            prepared = await _ipc.prepare_bind(address)
+        except OSError as exc:
+            raise AddressBindError(f"{role}: cannot bind {address!r}: {exc.strerror or exc}",
+                                   address=address, role=role, errno=exc.errno) from None
+        return sock.bind(prepared, role=role)
+
+    client = MultiEngineClient(config=config, quorum=quorum, rng=rng)
+    hs = ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True)
+    process: trio.Process | None = None
+    pending: dict[bytes, _Pending] = {}
+    startup = True
+    startup_error: list[BaseException] = []
+    started = trio.Event()
+
+    def fail_startup(exc: BaseException) -> None:
+        if startup:
+            startup_error.append(exc)
+            started.set()
+
+    async def new_pair(identity: bytes) -> _Pending:
+        n = next(seq)
+        index = int.from_bytes(identity, "little")
+        inp = ctx.socket(zmq.ROUTER, name="input", router_mandatory=True, sndhwm=config.send_hwm)
+        out = ctx.socket(zmq.PULL, name="output", rcvhwm=0, maxmsgsize=limits.MAX_FRAME_BYTES)
+        out_monitor = out.monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
+                                  name="output-monitor")
+        monitor = None
+        if config.death_on_disconnect:
+            monitor = inp.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                                  name="input-monitor")
+        try:
+            if data_plane_host is None:
+                in_addr = await bind(inp, ipc(f"e{index}.{n}.in"), "input_address")
+                out_addr = await bind(out, ipc(f"e{index}.{n}.out"), "output_address")
+            else:
+                in_addr = await bind(inp, f"tcp://{data_plane_host}:0", "input_address")
+                out_addr = await bind(out, f"tcp://{data_plane_host}:0", "output_address")
+        except BaseException:
+            _close_sockets([s for s in (monitor, out_monitor, out, inp) if s is not None])
+            raise
+        machine = Handshake(now=trio.current_time(), timeout=config.handshake_timeout,
+                            input_address=in_addr, output_address=out_addr)
+        return _Pending(identity, machine, inp, out, monitor, out_monitor, in_addr, out_addr)
+
+    async def engine_handshake(p: _Pending, nursery: trio.Nursery) -> None:
+        """The rest of one engine's handshake (its ready response on its own
+        input socket, its READY via the handshake task), then serve it."""
+        index = int.from_bytes(p.identity, "little")
+        try:
+            with trio.fail_after(max(0.0, p.machine.deadline - trio.current_time())):
+                while p.machine.wants_ready_responses:
+                    step = p.machine.input_received(await p.inp.recv_multipart(), trio.current_time())
+                    _log.info("handshake: ready response from engine identity %s on its input socket",
+                              step.identity.hex())
+                await p.ready_status.wait()
+            ((identity, ready),) = p.machine.results()
+            _check_version(ready, config)
+            resolved = Runtime.resolve(wanted_runtime, ready)
+            check_not_lockstep(ready, identity, vllm=resolved is Runtime.VLLM)
+            if client._members and resolved is not client.runtime:
+                raise EngineHandshakeError(
+                    f"engine {index} is a {resolved.value} engine; this client's engines are {client.runtime.value}"
+                )
+        except BaseException as exc:
+            pending.pop(p.identity, None)
+            _close_sockets(p.sockets())
+            if isinstance(exc, trio.TooSlowError):
+                exc = EngineHandshakeTimeout(
+                    f"engine {index}: handshake timed out after {config.handshake_timeout} s waiting for "
+                    f"{p.machine.stage()}", stage=p.machine.stage())
+            if not isinstance(exc, Exception):
+                raise
+            _log.warning("engine %d (identity %s): handshake failed: %s", index, p.identity.hex(), exc)
+            fail_startup(exc)
+            return
+        pending.pop(p.identity, None)
+        link = EngineLink(now=trio.current_time(), silence_timeout=config.silence_timeout,
+                          watch_input=config.death_on_disconnect, await_output_reconnect=config.death_on_disconnect)
+        link.engine_index = index
+        protocol = EngineProtocol(engine_index=index, identity=identity, max_pending_tokens=config.max_pending_tokens,
+                                  max_decode_errors=config.max_decode_errors, runtime=resolved,
+                                  timer=trio.current_time)
+        conn = EngineConnection(protocol=protocol, link=link, input_sock=p.inp, output_sock=p.out, process=None,
+                                monitor_sock=p.monitor, output_monitor_sock=p.out_monitor,
+                                send_timeout=config.send_timeout,
+                                pause_gc_while_routing=config.pause_gc_while_routing)
+        engine = EngineClient(connection=conn, ready=ready, config=config)
+        engine._bound_input, engine._bound_output = p.input_address, p.output_address
+        member = _Member(engine, conn, Route(index, 0), p.sockets())
+        client._engine_joined(member)
+        _log.info("engine %d ready (identity %s, incarnation %d): %s, version %s, max_model_len %d; input %s, "
+                  "output %s", index, identity.hex(), member.route.incarnation, resolved.value, ready.vllm_version,
+                  ready.max_model_len, p.input_address, p.output_address)
+        if startup and client.up_count >= data_parallel_size:
+            started.set()
+        nursery.start_soon(serve_engine, member)
+
+    async def serve_engine(member: _Member) -> None:
+        conn = member.connection
+        try:
+            async with trio.open_nursery() as tasks:
+                conn.start(tasks)
+                await conn._dead.wait()
+                tasks.cancel_scope.cancel()
+        finally:
+            conn._link.close()
+            _close_sockets(member.sockets)
+
+    async def handshake_side(nursery: trio.Nursery) -> None:
+        while True:
+            frames = await hs.recv_multipart()
+            identity = frames[0] if frames else b""
+            p = pending.get(identity)
+            try:
+                if p is None:
+                    index = int.from_bytes(identity, "little")
+                    old = client._members.get(index)
+                    if old is not None and old.connection._protocol.state is LinkState.READY:
+                        # Same identity, a new HELLO: that rank restarted; its old
+                        # incarnation is gone (its requests fail, its sockets close).
+                        old.connection._protocol.engine_died(EngineDeadError(
+                            f"engine {index} dialed the handshake again (it restarted)", engine_index=index,
+                            reason="restarted"))
+                    p = await new_pair(identity)
+                    try:
+                        step = p.machine.handshake_received(frames, trio.current_time())
+                    except BaseException:
+                        _close_sockets(p.sockets())
+                        raise
+                    pending[identity] = p
+                    _log.info("handshake: HELLO from engine identity %s (%s); sending INIT (input %s, output %s)",
+                              identity.hex(), "local" if step.local else "remote", p.input_address,
+                              p.output_address)
+                    try:
+                        assert step.reply is not None
+                        await hs.send(step.reply)
+                    except PeerUnreachable:
+                        raise p.machine.init_unreachable(identity) from None
+                    nursery.start_soon(engine_handshake, p, nursery)
+                else:
+                    step = p.machine.handshake_received(frames, trio.current_time())
+                    if step.event == "READY":
+                        _log.info("handshake: READY from engine identity %s", identity.hex())
+                        p.ready_status.set()
+            except EngineHandshakeError as exc:
+                if p is not None and pending.get(identity) is p:
+                    del pending[identity]
+                    _close_sockets(p.sockets())
+                _log.warning("handshake: identity %s refused: %s", identity.hex(), exc)
+                fail_startup(exc)
+
+    async def watch_process() -> None:
+        assert process is not None
+        code = await process.wait()
+        _log.info("launched engine process %d exited with code %s", process.pid, code)
+        fail_startup(EngineHandshakeError(f"engine process {process.pid} exited with code {code} during the "
+                                          "handshake"))
+        now = trio.current_time()
+        for m in list(client._members.values()):
+            m.connection._act(m.connection._link.process_exited(process.pid, code, now))
+
+    try:
+        bound = [await bind(hs, a, "handshake_address") for a in addresses] or [
+            await bind(hs, ipc("handshake.sock"), "handshake_address")]
+        _log.info("bound handshake %s; waiting for %d engine(s), timeout %s s", ", ".join(bound),
+                  data_parallel_size, config.handshake_timeout, extra={"zmqdispatch_wait": True})
+        if launch is not None:
+            argv = _format_launch(launch, bound[0])
+            try:
+                process = await trio.lowlevel.open_process(
+                    argv, stdin=subprocess.DEVNULL,
+                    stdout=launch_stdout if launch_stdout is not None else sys.stderr.fileno(),
+                    process_group=0,
+                )
+            except OSError as exc:
+                raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+            _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handshake_side, nursery)
+                if process is not None:
+                    nursery.start_soon(watch_process)
+                with trio.move_on_after(config.handshake_timeout) as startup_scope:
+                    await started.wait()
+                startup = False
+                if startup_error:
+                    raise startup_error[0]
+                if startup_scope.cancelled_caught:
+                    stages = sorted({p.machine.stage() for p in pending.values()}) or ["HELLO"]
+                    raise EngineHandshakeTimeout(
+                        f"{client.up_count} of {data_parallel_size} engine(s) completed the handshake within "
+                        f"{config.handshake_timeout} s (waiting for {', '.join(stages)})", stage=stages[0])
+                try:
+                    yield client
+                finally:
+                    client._closed = True
+                    for m in client._members.values():
+                        conn = m.connection
+                        protocol = conn._protocol
+                        conn._link.close()
+                        if protocol.state is LinkState.READY:
+                            closed = EngineDeadError("the engine client is closed", engine_index=protocol.engine_index,
+                                                     reason="closed")
+                            protocol.abort(protocol.live_request_ids(), error=closed)
+                            conn._flush_aborts_nowait()
+                            protocol.engine_died(closed)
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            raise _unwrap(eg) from None
+    finally:
+        client._closed = True
+        for p in list(pending.values()):
+            _close_sockets(p.sockets())
+        hs.close()
+        try:
+            if process is not None:
+                await _terminate(process, config.terminate_grace)
+        finally:
+            if ipc_dir is not None:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
