@@ -163,6 +163,12 @@ class MultiEngineClient:
         (``up`` / ``draining`` / ``dead`` with its reason, incarnation, in flight), by index."""
         return self._set.snapshot()
 
+    def engine_of(self, request_id: str) -> int | None:
+        """The ``engine_index`` a live request was placed on (None when it is
+        not live: not entered yet, finished, or its engine died)."""
+        route = self._set.route(request_id)
+        return None if route is None else route.engine_index
+
     def loads(self) -> tuple[EngineLoad, ...]:
         """What placement sees of each engine (own requests, reported load terms)."""
         return self._placement.loads()

@@ -1,0 +1,287 @@
+"""One client, many engines (``zmqdispatch.multi``, ``docs/many-engines.md``), over
+real ipc sockets against in-process mock ranks: each rank dials the one handshake
+address with its own identity and is served on a socket pair of its own."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from zmqdispatch import ClientConfig, connect
+from zmqdispatch.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineHandshakeError,
+    EngineHandshakeTimeout,
+    NoEngineAvailableError,
+    RequestRejected,
+)
+from zmqdispatch.fanout import generate_parallel
+from zmqdispatch.mock.dial import dial
+from zmqdispatch.mock.server import MockEngineConfig, _ready_response, start_mock_engine
+from zmqdispatch.multi import MultiEngineClient, connect_engines
+from zmqdispatch.protocol.engines import EngineState
+from zmqdispatch.wire import vllm as wire
+
+from ..faults.engines import GUARD
+from ..helpers import make_request as _make_request
+
+
+def make_request(rid: str, *, data_parallel_rank: int | None = None, **sp: object) -> wire.EngineCoreRequest:
+    return attrs.evolve(_make_request(rid, **sp), data_parallel_rank=data_parallel_rank)
+
+
+def rank_cfg(address: str, rank: int, **kw: object) -> MockEngineConfig:
+    kw.setdefault("step_interval", 0)
+    return MockEngineConfig(handshake_address=address, engine_index=rank, **kw)  # type: ignore[arg-type]
+
+
+async def start_rank(nursery: trio.Nursery, cfg: MockEngineConfig) -> trio.CancelScope:
+    """Run one in-process mock rank (one engine, one client) in a cancel scope of its own."""
+    scope = trio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            engine = await start_mock_engine(cfg, in_process=True)
+            await engine.run()
+
+    nursery.start_soon(run)
+    return scope
+
+
+@asynccontextmanager
+async def ranks_and_client(tmp_path, n: int, *, faults: dict[int, tuple] | None = None, step: float = 0,
+                           **kw: object) -> AsyncIterator[tuple[MultiEngineClient, trio.Nursery, str]]:
+    address = f"ipc://{tmp_path}/hs.sock"
+    async with trio.open_nursery() as nursery:
+        for r in range(n):
+            await start_rank(nursery, rank_cfg(address, r, faults=(faults or {}).get(r, ()), step_interval=step))
+        async with connect_engines(address, data_parallel_size=n, **kw) as client:  # type: ignore[arg-type]
+            yield client, nursery, address
+        nursery.cancel_scope.cancel()
+
+
+async def run_one(client, rid: str, max_tokens: int = 4, **kw: object) -> list[int]:
+    tokens: list[int] = []
+    async with client.generate(make_request(rid, max_tokens=max_tokens, **kw)) as stream:
+        async for delta in stream:
+            tokens += delta.token_ids
+    return tokens
+
+
+async def test_requests_spread_over_n_ranks_with_the_same_tokens(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 3) as (client, _, _):
+            assert isinstance(client, MultiEngineClient)
+            assert [s.state for s in client.states()] == [EngineState.UP] * 3
+            # every rank has its own socket pair
+            inputs = {e._bound_input for e in client.engines.values()}
+            outputs = {e._bound_output for e in client.engines.values()}
+            assert len(inputs) == len(outputs) == 3
+            results: dict[str, list[int]] = {}
+            placed: dict[str, int] = {}
+            async with trio.open_nursery() as nursery:
+                for i in range(9):
+                    rid = f"r{i}"
+                    stream = client.generate(make_request(rid, max_tokens=4))
+
+                    async def go(rid=rid, stream=stream) -> None:
+                        toks: list[int] = []
+                        async with stream:
+                            placed[rid] = client.engine_of(rid)
+                            async for d in stream:
+                                toks += d.token_ids
+                        results[rid] = toks
+
+                    nursery.start_soon(go)
+            assert len({tuple(t) for t in results.values()}) == 1  # the same tokens on every rank
+            counts = [sum(1 for e in placed.values() if e == r) for r in range(3)]
+            assert counts == [3, 3, 3], counts  # a burst spreads evenly (placement counts its own)
+            assert [s.in_flight for s in client.states()] == [0, 0, 0]
+            assert sorted(client.stats()) == [0, 1, 2]
+            assert await client.call_all("is_sleeping") == {0: False, 1: False, 2: False}
+
+
+async def test_one_rank_dies_mid_stream_only_its_requests_fail(tmp_path):
+    with trio.fail_after(GUARD):
+        # rank 1 sends ENGINE_CORE_DEAD at its 20th step and exits; rank 0 goes on
+        async with ranks_and_client(tmp_path, 2, faults={1: (("sentinel", 20),)}, step=0.002,
+                                    rng=random.Random(0)) as (client, _, _):
+            outcome: dict[str, object] = {}
+            where: dict[str, int] = {}
+
+            async def go(rid: str) -> None:
+                try:
+                    async with client.generate(make_request(rid, max_tokens=60)) as stream:
+                        where[rid] = client.engine_of(rid)
+                        async for _ in stream:
+                            pass
+                    outcome[rid] = "done"
+                except EngineDeadError as exc:
+                    outcome[rid] = exc
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(go, f"r{i}")
+            on1 = [r for r, e in where.items() if e == 1]
+            on0 = [r for r, e in where.items() if e == 0]
+            assert len(on0) == len(on1) == 2
+            for rid in on0:
+                assert outcome[rid] == "done"
+            for rid in on1:
+                exc = outcome[rid]
+                assert isinstance(exc, EngineDeadError) and exc.engine_index == 1 and exc.reason == "sentinel"
+            state1 = client.states()[1]
+            assert state1.state is EngineState.DEAD and state1.reason == "sentinel"
+            assert client.is_alive  # quorum 1: one engine up
+            # new requests go to the live rank at once
+            for i in range(3):
+                async with client.generate(make_request(f"n{i}", max_tokens=2)) as stream:
+                    assert client.engine_of(f"n{i}") == 0
+                    async for _ in stream:
+                        pass
+            # a pin to the dead rank names it
+            with pytest.raises(EngineDeadError) as info:
+                client.generate(make_request("p", data_parallel_rank=1))
+            assert info.value.engine_index == 1
+
+
+async def test_a_restarted_rank_rejoins_with_a_new_incarnation_and_socket_pair(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 2, faults={1: (("sentinel", 3),)}) as (client, nursery, address):
+            old_pair = client.engine(1)._bound_input
+            with pytest.raises(EngineDeadError) as info:
+                await run_one(client, "x", max_tokens=50, data_parallel_rank=1)
+            assert info.value.engine_index == 1
+            assert client.states()[1].state is EngineState.DEAD
+            await start_rank(nursery, rank_cfg(address, 1))  # the same identity dials again
+            await client.wait_for_engines(2)
+            status = client.states()[1]
+            assert (status.state, status.incarnation) == (EngineState.UP, 1)
+            assert client.engine(1)._bound_input != old_pair
+            assert len(await run_one(client, "x", max_tokens=3, data_parallel_rank=1)) == 3
+
+
+async def test_drain_waits_for_in_flight_and_places_nothing_new(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 2, step=0.002) as (client, _, _):
+            drained = trio.Event()
+            finished: list[str] = []
+
+            async def long_on_0() -> None:
+                await run_one(client, "long", max_tokens=30, data_parallel_rank=0)
+                finished.append("long")
+
+            async def drain() -> None:
+                await client.drain(0)
+                drained.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_on_0)
+                while client.engine_of("long") is None:
+                    await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(drain)
+                await trio.testing.wait_all_tasks_blocked()
+                assert client.states()[0].state is EngineState.DRAINING
+                assert not drained.is_set()
+                for i in range(3):  # new requests go elsewhere
+                    await run_one(client, f"n{i}", max_tokens=2)
+                with pytest.raises(EngineDrainingError):
+                    client.generate(make_request("p", data_parallel_rank=0))
+            assert drained.is_set() and finished == ["long"]
+            assert client.states()[0].drained
+            client.undrain(0)
+            assert client.states()[0].state is EngineState.UP
+
+
+async def test_pins_out_of_range_rank_is_rejected_naming_the_field_and_ranks(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 2) as (client, _, _):
+            for rank in (0, 1, 1, 0):
+                rid = f"p{rank}{random.random()}"
+                async with client.generate(make_request(rid, max_tokens=2, data_parallel_rank=rank)) as s:
+                    assert client.engine_of(rid) == rank
+                    async for _ in s:
+                        pass
+            with pytest.raises(RequestRejected) as info:
+                client.generate(make_request("bad", data_parallel_rank=5))
+            assert info.value.field == "data_parallel_rank" and "0-1" in str(info.value)
+
+
+async def test_samples_of_one_request_go_to_one_engine(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 3) as (client, _, _):
+            reqs = [make_request(f"s.{i}", max_tokens=3) for i in range(4)]
+            seen: set[int] = set()
+            async with generate_parallel(client, reqs) as merged:
+                seen = {client.engine_of(f"s.{i}") for i in range(4)} - {None}
+                async for _ in merged:
+                    pass
+            assert len(seen) == 1
+            assert [s.in_flight for s in client.states()] == [0, 0, 0]
+
+
+async def test_quorum_refuses_new_requests_below_it(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 2, faults={1: (("sentinel", 2),)}, quorum=2) as (client, _, _):
+            with pytest.raises(EngineDeadError):
+                await run_one(client, "x", max_tokens=20, data_parallel_rank=1)
+            assert not client.has_quorum and not client.is_alive
+            with pytest.raises(NoEngineAvailableError, match="quorum of 2"):
+                client.generate(make_request("y"))
+
+
+async def test_an_engine_dialing_in_later_is_placed(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 1) as (client, nursery, address):
+            assert [s.engine_index for s in client.states()] == [0]
+            await start_rank(nursery, rank_cfg(address, 7))  # scale out: a new identity
+            await client.wait_for_engines(2)
+            assert len(await run_one(client, "late", max_tokens=3, data_parallel_rank=7)) == 3
+
+
+async def test_startup_waits_for_n_engines_and_times_out_naming_the_count(tmp_path):
+    address = f"ipc://{tmp_path}/hs.sock"
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            await start_rank(nursery, rank_cfg(address, 0))
+            with pytest.raises(EngineHandshakeTimeout, match="1 of 2 engine"):
+                async with connect(address, data_parallel_size=2, config=ClientConfig(handshake_timeout=0.5)):
+                    pass
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_lock_step_rank_is_refused_at_the_handshake(tmp_path):
+    address = f"ipc://{tmp_path}/hs.sock"
+    ready = attr_evolve(_ready_response(rank_cfg(address, 0)), data_parallel_size=2)
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(dial, address, ready, engine_index=0))
+            with pytest.raises(EngineHandshakeError, match="lock-step") as info:
+                async with connect_engines(address, data_parallel_size=1):
+                    pass
+            assert "wave protocol" in str(info.value)
+            nursery.cancel_scope.cancel()
+
+
+def attr_evolve(ready: wire.EngineCoreReadyResponse, **changes: object) -> wire.EngineCoreReadyResponse:
+    return attrs.evolve(ready, **changes)
+
+
+async def test_bad_arguments_are_refused_before_anything_is_bound():
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        async with connect(data_parallel_size=0):
+            pass
+    with pytest.raises(ValueError, match="quorum"):
+        async with connect(data_parallel_size=2, quorum=0):
+            pass
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        async with connect(quorum=2):
+            pass
