@@ -278,6 +278,10 @@ def _build_parser() -> argparse.ArgumentParser:
     how.add_argument("--handshake-address", metavar="ADDR",
                      help="bind here (tcp://HOST:PORT or ipc://PATH) and wait for an engine to dial in")
     how.add_argument("--launch", type=_launch_command, metavar="CMD", help="engine command; {handshake_address} is substituted")
+    eng.add_argument("--data-parallel-size", type=_bounded_int(1, 65536), metavar="N",
+                     help="serve N engines (the ranks of one `vllm serve --data-parallel-size N`, or N that "
+                          "dial in): wait for N on the handshake, place each request on one; the embedded "
+                          "mock runs N ranks. Unset: one engine")
     eng.add_argument("--handshake-timeout", type=_seconds(zero_ok=False), default=DEFAULT_HANDSHAKE_TIMEOUT,
                      metavar="S", help="seconds for the engine's startup handshake")
     eng.add_argument("--silence-timeout", type=_seconds(zero_ok=False), default=DEFAULT_SILENCE_TIMEOUT,
@@ -486,6 +490,8 @@ def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--vocab-size", str(args.vocab_size)]
     if args.log_level != "warning":
         argv += ["--log-level", args.log_level]
+    if args.data_parallel_size is not None and args.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(args.data_parallel_size)]
     return argv
 
 
@@ -574,7 +580,8 @@ def _connect(args: argparse.Namespace) -> AbstractAsyncContextManager[EngineClie
         launch = args.launch
     else:
         launch = _mock_launch_argv(args)
-    return connect(args.handshake_address, launch=launch, config=config, runtime=args.runtime)
+    return connect(args.handshake_address, launch=launch, config=config, runtime=args.runtime,
+                   data_parallel_size=args.data_parallel_size)
 
 
 def _deadlines(args: argparse.Namespace) -> Deadlines:

@@ -193,6 +193,12 @@ class MultiEngineClient:
         return self._any().runtime
 
     @property
+    def engine_index(self) -> None:
+        """None: requests are placed per request (``EngineClient.engine_index``
+        names the one engine of a single-engine client)."""
+        return None
+
+    @property
     def max_model_len(self) -> int:
         """The smallest ``max_model_len`` among the engines (a request that fits it fits any)."""
         return min(m.client.max_model_len for m in self._members.values())
@@ -414,6 +420,8 @@ class MultiEngineClient:
                 self._drain_check(index)
 
         def on_ending(exc: EngineDeadError) -> None:
+            if self._closed:
+                return
             if self._members.get(index) is member and engines.state(index).state is not EngineState.DEAD:
                 lost = engines.engine_died(index, exc.reason)
                 _log.warning("engine %d out of placement (%s): %d request(s) on it fail with its death; %d of "

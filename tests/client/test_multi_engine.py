@@ -285,3 +285,23 @@ async def test_bad_arguments_are_refused_before_anything_is_bound():
     with pytest.raises(ValueError, match="data_parallel_size"):
         async with connect(quorum=2):
             pass
+
+
+def test_cli_generate_with_data_parallel_size_runs_n_mock_ranks(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(
+        json.dumps({"request_id": f"q{i}", "tokenized": {"input_ids": [1, 2, 3]},
+                    "sampling_params": {"max_tokens": 3}}) + "\n" for i in range(4)))
+    done = subprocess.run(
+        [sys.executable, "-m", "zmqdispatch", "generate", "--data-parallel-size", "2", "--requests", str(requests),
+         "--log-level", "info"],
+        capture_output=True, text=True, timeout=GUARD,
+    )
+    assert done.returncode == 0, done.stderr
+    completes = [json.loads(line) for line in done.stdout.splitlines() if '"complete"' in line]
+    assert sorted(c["request_id"] for c in completes) == ["q0", "q1", "q2", "q3"]
+    assert "engine 0 ready" in done.stderr and "engine 1 ready" in done.stderr
