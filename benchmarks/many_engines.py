@@ -37,7 +37,7 @@ async def run(n: int, many: bool) -> None:
             "--step-interval-ms", "0"] + (["--data-parallel-size", str(n)] if n > 1 else [])
     before = _fds()
     cm = connect_engines(launch=mock, data_parallel_size=n) if many else connect(launch=mock)
-    async with cm as client:  # type: ignore[attr-defined]
+    async with cm as client:
         fds = _fds() - before
         tokens = 0
 
