@@ -701,7 +701,7 @@ async def connect_engines(
                     if step.event == "READY":
                         _log.info("handshake: READY from engine identity %s", identity.hex())
                         p.ready_status.set()
-            except EngineHandshakeError as exc:
+            except (EngineHandshakeError, AddressBindError) as exc:
                 if p is not None and pending.get(identity) is p:
                     del pending[identity]
                     _close_sockets(p.sockets())

@@ -299,7 +299,7 @@ def test_cli_generate_with_data_parallel_size_runs_n_mock_ranks(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "zmqdispatch", "generate", "--data-parallel-size", "2", "--requests", str(requests),
          "--log-level", "info"],
-        capture_output=True, text=True, timeout=GUARD,
+        capture_output=True, text=True, timeout=GUARD, check=False,
     )
     assert done.returncode == 0, done.stderr
     completes = [json.loads(line) for line in done.stdout.splitlines() if '"complete"' in line]
