@@ -463,6 +463,11 @@ class _Pending:
         return [s for s in (self.monitor, self.out_monitor, self.out, self.inp) if s is not None]
 
 
+def _any_port(host: str) -> str:
+    """``tcp://`` *host* with port 0 (the bound address names the port picked)."""
+    return "tcp://" + host + ":0"
+
+
 def _close_sockets(sockets: Sequence[TrioSocket]) -> None:
     """Close one engine's sockets: monitors first, the input ROUTER last and
     lingering (queued ABORTs leave in the background)."""
@@ -543,7 +548,7 @@ async def connect_engines(
     for a in addresses:
         check_address(a, role="handshake_address", any_port=launch is not None)
     if data_plane_host is not None:
-        check_address(f"tcp://{data_plane_host}:0", role="data_plane_host", any_port=True)
+        check_address(_any_port(data_plane_host), role="data_plane_host", any_port=True)
     wanted_runtime = runtime
     ctx = ZmqContext()
     ipc_dir: str | None = None
@@ -592,8 +597,8 @@ async def connect_engines(
                 in_addr = await bind(inp, ipc(f"e{index}.{n}.in"), "input_address")
                 out_addr = await bind(out, ipc(f"e{index}.{n}.out"), "output_address")
             else:
-                in_addr = await bind(inp, f"tcp://{data_plane_host}:0", "input_address")
-                out_addr = await bind(out, f"tcp://{data_plane_host}:0", "output_address")
+                in_addr = await bind(inp, _any_port(data_plane_host), "input_address")
+                out_addr = await bind(out, _any_port(data_plane_host), "output_address")
         except BaseException:
             _close_sockets([s for s in (monitor, out_monitor, out, inp) if s is not None])
             raise

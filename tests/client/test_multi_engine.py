@@ -305,3 +305,12 @@ def test_cli_generate_with_data_parallel_size_runs_n_mock_ranks(tmp_path):
     completes = [json.loads(line) for line in done.stdout.splitlines() if '"complete"' in line]
     assert sorted(c["request_id"] for c in completes) == ["q0", "q1", "q2", "q3"]
     assert "engine 0 ready" in done.stderr and "engine 1 ready" in done.stderr
+
+
+async def test_data_plane_host_binds_each_pair_on_tcp(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 2, data_plane_host="127.0.0.1") as (client, _, _):
+            bound = [e._bound_input for e in client.engines.values()] + [e._bound_output
+                                                                         for e in client.engines.values()]
+            assert all(a.startswith("tcp://127.0.0.1:") for a in bound) and len(set(bound)) == 4
+            assert len(await run_one(client, "t", max_tokens=3)) == 3
