@@ -45,7 +45,6 @@ from .client import (
     ClientConfig,
     EngineClient,
     EngineConnection,
-    RequestStream,
     _check_version,
     _format_launch,
     _private_ipc_dir,
@@ -70,33 +69,96 @@ from .protocol.link import EngineLink
 from .protocol.mailbox import Mailbox
 from .protocol.placement import EngineLoad, Placement
 from .protocol.runtime import Runtime
+from .streams import (
+    EngineRequest,
+    RequestStream,
+    SampleStream,
+    StreamGroup,
+    open_samples,
+)
 
 __all__ = ["MultiEngineClient", "connect_engines"]
 
 _log = logging.getLogger("zmqdispatch.client")
 
 
-class _PlacedStream(RequestStream):
-    """A :class:`RequestStream` whose engine is chosen when it is entered
-    (nothing is placed, or counted, for a stream that is never entered)."""
+class _PlacedHost:
+    """The :class:`~zmqdispatch.streams.StreamHost` of one placement: a request,
+    or the ``n`` samples of one request. The first ``open`` (entering the
+    stream) picks the engine; the samples opened after it go to the same
+    engine (its prefix cache). Nothing is placed for a stream never entered."""
 
-    __slots__ = ("_multi", "_pin")
+    __slots__ = ("_engine", "_multi", "_pin", "runtime")
 
-    def __init__(self, multi: MultiEngineClient, engine: EngineClient, request_id: str, request: Any,
-                 deadlines: Deadlines | None, pin: int | None) -> None:
-        super().__init__(engine, request_id, request, deadlines)
+    def __init__(self, multi: MultiEngineClient, pin: int | None) -> None:
         self._multi = multi
         self._pin = pin
+        self._engine: EngineClient | None = None
+        self.runtime = multi.runtime
 
-    def _queue(self) -> None:
-        if self._mailbox is None and not self._closed:
-            multi = self._multi
-            self._client = multi._place_one(self.request_id, self._request, self._pin, self._client)
-            try:
-                super()._queue()
-            except BaseException:
-                multi._set.request_finished(self.request_id)
-                raise
+    def validate(self, request: EngineRequest, deadlines: Deadlines | None) -> Deadlines | None:
+        return self._multi._validate(request, deadlines, self._pin)
+
+    def is_live(self, request_id: str) -> bool:
+        return self._multi._set.route(request_id) is not None
+
+    def open(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
+        multi = self._multi
+        rid = self.runtime.request_id(request)
+        engine = self._engine
+        if engine is None:
+            engine = self._engine = multi._place(rid, self._pin)
+        else:
+            multi._set.request_started(rid, engine.engine_index)  # a sibling sample: the same engine
+        try:
+            return engine._queue_request(request, deadlines)
+        except BaseException:
+            multi._set.request_finished(rid)
+            raise
+
+    def abort(self, mailbox: Mailbox) -> None:
+        if self._engine is not None:
+            self._engine._host.abort(mailbox)
+
+    def check_alive(self) -> None:
+        if self._engine is not None:
+            self._engine._host.check_alive()
+        else:
+            self._multi._check_quorum()
+
+
+class _GroupHost:
+    """The :class:`~zmqdispatch.streams.StreamHost` of a stream group over many
+    engines: each member is placed on its own."""
+
+    __slots__ = ("_multi", "runtime")
+
+    def __init__(self, multi: MultiEngineClient) -> None:
+        self._multi = multi
+        self.runtime = multi.runtime
+
+    def validate(self, request: EngineRequest, deadlines: Deadlines | None) -> Deadlines | None:
+        return self._multi._validate(request, deadlines, getattr(request, "data_parallel_rank", None))
+
+    def is_live(self, request_id: str) -> bool:
+        return self._multi._set.route(request_id) is not None
+
+    def open(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
+        return _PlacedHost(self._multi, getattr(request, "data_parallel_rank", None)).open(request, deadlines)
+
+    def abort(self, mailbox: Mailbox) -> None:
+        multi = self._multi
+        route = multi._set.route(mailbox.request_id)
+        if route is not None:
+            multi._members[route.engine_index].client._host.abort(mailbox)
+            return
+        # Out of the table (its engine is dying): the owner is whichever engine
+        # still holds this very mailbox (abort_mailbox checks identity).
+        for m in multi._members.values():
+            m.client._host.abort(mailbox)
+
+    def check_alive(self) -> None:
+        self._multi._check_quorum()
 
 
 @attrs.define
@@ -268,8 +330,8 @@ class MultiEngineClient:
 
     def check_request(self, request: Any) -> None:
         """Validate *request* against the engine it is pinned to, or against
-        every ``up`` engine's limits (nothing is sent). Raises what
-        :meth:`EngineClient.check_request` raises."""
+        the engine with the smallest ``max_model_len`` (nothing is sent).
+        Raises what :meth:`EngineClient.check_request` raises."""
         pin = getattr(request, "data_parallel_rank", None)
         self._validation_engine(pin, "").check_request(request)
 
@@ -283,9 +345,8 @@ class MultiEngineClient:
                     field="data_parallel_rank",
                 )
             return self._members[pin].client
-        # The engine with the smallest context window: a request valid there is valid anywhere.
-        return min((m.client for m in self._members.values()), key=lambda c: c.max_model_len,
-                   default=None) or self._any()
+        # The smallest context window: a request valid there is valid on every engine.
+        return min((m.client for m in self._members.values()), key=lambda c: c.max_model_len)
 
     def _check_quorum(self) -> None:
         if self._closed:
@@ -299,66 +360,53 @@ class MultiEngineClient:
                 states=words,
             )
 
-    def generate(self, request: Any, *, deadlines: Deadlines | None = None) -> RequestStream:
-        """Validate *request*; return its stream (``async with``). The engine
-        is picked when the stream is entered (least loaded; ``request.data_parallel_rank``
-        pins it), so a stream never entered is never placed.
+    def _validate(self, request: EngineRequest, deadlines: Deadlines | None, pin: Any) -> Deadlines | None:
+        self._check_quorum()
+        engine = self._validation_engine(pin, "")
+        engine.check_request(request)  # first: refuses the other runtime's request type
+        rid = engine.runtime.request_id(request)
+        in_force = effective_deadlines(deadlines)
+        self._set.check_new_ids((rid,))
+        if pin is not None:
+            self._set.check_can_start(pin, rid)
+        return in_force
+
+    def _place(self, request_id: str, pin: int | None) -> EngineClient:
+        """Place one request (its stream is being entered) and return its engine."""
+        self._check_quorum()
+        route = self._placement.place(request_id, data_parallel_rank=pin)
+        return self._members[route.engine_index].client
+
+    def generate(self, request: EngineRequest, *, deadlines: Deadlines | None = None) -> RequestStream:
+        """Validate *request*; return its stream (``async with``), as
+        :meth:`EngineClient.generate`. The engine is picked when the stream is
+        entered (least loaded; ``request.data_parallel_rank`` pins it), so a
+        stream never entered is never placed.
 
         Raises (now, nothing sent):
-            RequestRejected: validation failed; ``data_parallel_rank`` names no
+            RequestRejected: validation failed (against the pinned engine, or
+                the smallest ``max_model_len``); ``data_parallel_rank`` names no
                 engine (``field="data_parallel_rank"``, the message lists the ranks).
             DuplicateRequestIdError: the id is live on some engine.
             NoEngineAvailableError: fewer than :attr:`quorum` engines are up.
             EngineDeadError / EngineDrainingError: the pinned engine is dead / draining.
-        Raises on entering: the same (the state may have changed), and what
-        ``RequestStream`` raises.
+        Entering raises the same when the engines changed meanwhile.
         """
-        pin = getattr(request, "data_parallel_rank", None)
-        self._check_quorum()
-        rid = self._any().runtime.request_id(request)
-        engine = self._validation_engine(pin, rid)
-        engine.check_request(request)
-        deadlines = effective_deadlines(deadlines)
-        self._set.check_new_ids((rid,))
-        if pin is not None:
-            self._set.check_can_start(pin, rid)
-        return _PlacedStream(self, engine, rid, request, deadlines, pin)
+        host = _PlacedHost(self, getattr(request, "data_parallel_rank", None))
+        in_force = host.validate(request, deadlines)
+        return RequestStream(host, host.runtime.request_id(request), request, in_force)
 
-    def _place_one(self, rid: str, request: Any, pin: int | None, checked: EngineClient) -> EngineClient:
-        """Place one request (entering its stream) and return its engine."""
-        self._check_quorum()
-        route = self._placement.place(rid, data_parallel_rank=pin)
-        engine = self._members[route.engine_index].client
-        if engine is not checked and engine.max_model_len != checked.max_model_len:
-            try:
-                engine.check_request(request)
-            except BaseException:
-                self._set.request_finished(rid, route)
-                raise
-        return engine
+    def generate_samples(self, requests: Sequence[EngineRequest], *, deadlines: Deadlines | None = None
+                         ) -> SampleStream:
+        """:meth:`EngineClient.generate_samples`, every sample on one engine
+        (the least loaded when entered, or the first sample's ``data_parallel_rank``)."""
+        pin = getattr(requests[0], "data_parallel_rank", None) if requests else None
+        return open_samples(_PlacedHost(self, pin), requests, deadlines)
 
-    def _colocate(self, request_ids: Sequence[str], pin: int | None = None) -> tuple[EngineClient, Route]:
-        """Place the samples of one request (``n > 1``) on one engine; the
-        caller submits them there (``zmqdispatch.fanout``) or releases them
-        with :meth:`_release`."""
-        self._check_quorum()
-        route = self._placement.place(list(request_ids), data_parallel_rank=pin)
-        return self._members[route.engine_index].client, route
-
-    def _release(self, request_ids: Sequence[str], route: Route) -> None:
-        for rid in request_ids:
-            self._set.request_finished(rid, route)
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests by id on the engines holding them (synchronous,
-        idempotent; unknown ids are ignored)."""
-        by_engine: dict[int, list[str]] = {}
-        for rid in request_ids:
-            route = self._set.route(rid)
-            if route is not None:
-                by_engine.setdefault(route.engine_index, []).append(rid)
-        for index, ids in by_engine.items():
-            self._members[index].client.abort(ids)
+    def stream_group(self) -> StreamGroup:
+        """:meth:`EngineClient.stream_group` over every engine: each member is
+        placed on its own (pins honoured)."""
+        return StreamGroup(_GroupHost(self))
 
     def stats(self) -> dict[int, EngineStats]:
         """Each engine's :class:`~zmqdispatch.metrics.EngineStats`, by index."""

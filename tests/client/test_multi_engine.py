@@ -23,7 +23,6 @@ from zmqdispatch.errors import (
     NoEngineAvailableError,
     RequestRejected,
 )
-from zmqdispatch.fanout import generate_parallel
 from zmqdispatch.mock.dial import dial
 from zmqdispatch.mock.server import MockEngineConfig, _ready_response, start_mock_engine
 from zmqdispatch.multi import MultiEngineClient, connect_engines
@@ -220,7 +219,7 @@ async def test_samples_of_one_request_go_to_one_engine(tmp_path):
         async with ranks_and_client(tmp_path, 3) as (client, _, _):
             reqs = [make_request(f"s.{i}", max_tokens=3) for i in range(4)]
             seen: set[int] = set()
-            async with generate_parallel(client, reqs) as merged:
+            async with client.generate_samples(reqs) as merged:
                 seen = {client.engine_of(f"s.{i}") for i in range(4)} - {None}
                 async for _ in merged:
                     pass
@@ -314,3 +313,23 @@ async def test_data_plane_host_binds_each_pair_on_tcp(tmp_path):
                                                                          for e in client.engines.values()]
             assert all(a.startswith("tcp://127.0.0.1:") for a in bound) and len(set(bound)) == 4
             assert len(await run_one(client, "t", max_tokens=3)) == 3
+
+
+async def test_a_stream_group_places_each_member_and_aborts_by_handle(tmp_path):
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 2, step=0.002) as (client, _, _):
+            async with client.stream_group() as group:
+                members = [group.generate(make_request(f"g{i}", max_tokens=3)) for i in range(4)]
+                long = group.generate(make_request("long", max_tokens=500, data_parallel_rank=1))
+                assert {client.engine_of(f"g{i}") for i in range(4)} == {0, 1}
+                assert client.engine_of("long") == 1
+                done: set[object] = set()
+                while len(done) < 4:
+                    for member, item in await group.receive():
+                        if getattr(item, "finish_reason", None) is not None:
+                            done.add(member)
+                assert done == set(members)
+                group.abort([long])
+                await trio.testing.wait_all_tasks_blocked()
+                assert client.engine_of("long") is None
+            assert [s.in_flight for s in client.states()] == [0, 0]
