@@ -432,7 +432,7 @@ class MultiEngineClient:
         async def one(i: int, fn: Callable[..., Any]) -> None:
             try:
                 results[i] = await fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001  (the engine's outcome, reported per engine)
+            except Exception as exc:  # the engine's outcome, reported per engine
                 results[i] = exc
 
         async with trio.open_nursery() as nursery:

@@ -85,7 +85,7 @@ async def test_requests_spread_over_n_ranks_with_the_same_tokens(tmp_path):
             outputs = {e._bound_output for e in client.engines.values()}
             assert len(inputs) == len(outputs) == 3
             results: dict[str, list[int]] = {}
-            placed: dict[str, int] = {}
+            placed: dict[str, int | None] = {}
             async with trio.open_nursery() as nursery:
                 for i in range(9):
                     rid = f"r{i}"

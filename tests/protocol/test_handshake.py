@@ -179,7 +179,7 @@ def test_a_lock_step_vllm_rank_is_refused_and_says_why():
     from zmqdispatch.wire import vllm as wire
 
     lockstep = wire.EngineCoreReadyResponse(max_model_len=64, data_parallel_size=4, data_parallel_rank=2)
-    with pytest.raises(EngineHandshakeError, match="data_parallel_rank 2.*data_parallel_size 4.*wave protocol"):
+    with pytest.raises(EngineHandshakeError, match=r"data_parallel_rank 2.*data_parallel_size 4.*wave protocol"):
         check_not_lockstep(lockstep, b"\x02\x00", vllm=True)
     check_not_lockstep(lockstep, b"\x02\x00", vllm=False)  # TokenSpeed ranks report the group size: independent
     check_not_lockstep(wire.EngineCoreReadyResponse(max_model_len=64), b"\x00\x00", vllm=True)
