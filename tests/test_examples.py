@@ -48,6 +48,8 @@ EXPECTED = {
     "generate.py": r"complete \[(\d+, ){7}\d+\]",
     "parallel_samples.py": r"(?m)(^[0-2] \[(\d+, ){5}\d+\] length\n){3}",
     "many_streams.py": r"100 requests, 1600 tokens",
+    "many_engines.py": r"request 'pinned' pinned to rank 1: 8 tokens\nrequests per engine: \{0: \d, 1: \d\}\n"
+                       r"states: \[\(0, 'draining'\), \(1, 'up'\)\]",
     "tokenspeed.py": r"(?m)(^[01] \[(\d+, ){7}\d+\] length\n){2}",
     "control_plane.py": _control_plane,
     "metrics_and_logging.py": _metrics_and_logging,
