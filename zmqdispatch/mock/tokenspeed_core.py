@@ -41,6 +41,7 @@ from typing import Any
 import attrs
 
 from .. import limits
+from ..protocol import checks_tokenspeed
 from ..wire import tokenspeed as ts
 from .core import mock_token
 
@@ -121,7 +122,7 @@ class MockTokenSpeedScheduler:
         """
         self.requests_received += 1
         rid = request.rid
-        reason = ts.admission_error(
+        reason = checks_tokenspeed.admission_error(
             request, vocab_size=self.vocab_size, enable_output_logprobs=self.enable_output_logprobs
         )
         if reason is not None:
