@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing (atheris) of the TokenSpeed input decoders (mock-engine side).
 
-Targets: ``zmqdispatch.wire.tokenspeed.decode_input`` (``[type, payload, *aux]``:
+Targets: ``zmqdispatch.wire.tokenspeed_engine.decode_input`` (``[type, payload, *aux]``:
 ADD -> ``decode_add`` + ``finalize_add``, ABORT -> ``decode_abort``), then
 ``admission_error`` (what the engine's ingress refuses) and the sampling-params
 derivations (``derive``/``resolve_seed``/``normalize``/``validation_error``).

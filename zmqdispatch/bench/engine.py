@@ -28,7 +28,7 @@ every request of a step: a client that cannot see ``EngineCoreOutputs.timestamp`
 step that produced it, with the per-step send times from ``table``.
 
 Speed (:class:`StepEncoder`): each running request's row is encoded once by
-:func:`zmqdispatch.wire.vllm.encode_outputs` and split around its token array;
+:func:`zmqdispatch.wire.vllm_engine.encode_outputs` and split around its token array;
 a step is then one ``bytes.join`` of the cached pieces with this step's packed
 tokens as the separator, and ``timestamp`` is this process's
 ``time.monotonic()`` packed right before the join and the send. The loop is a
