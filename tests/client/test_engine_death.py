@@ -247,7 +247,8 @@ async def _dying_engine(addr: str, dies: str) -> None:
     runtime, wait_init, _ = DYING_HANDSHAKES[dies]
     hs = ZmqContext().socket(zmq.DEALER, name="engine-handshake", identity=b"\x00\x00")
     hs.connect(addr)
-    await hs.send([ts_engine.encode_hello() if runtime == "tokenspeed" else handshake.encode_hello(local=True, headless=False)])
+    hello = ts_engine.encode_hello() if runtime == "tokenspeed" else handshake.encode_hello(local=True, headless=False)
+    await hs.send([hello])
     if wait_init:
         await hs.recv_multipart()  # INIT
     if runtime == "tokenspeed":

@@ -341,7 +341,8 @@ def _pickled_payloads() -> list[tuple[int, bytes]]:
 
 
 def _decoders():
-    ok = wire_engine.encode_outputs(0, [wire_engine.EngineCoreOutput(request_id="r", new_token_ids=(1,))], timestamp=1.0)
+    ok = wire_engine.encode_outputs(0, [wire_engine.EngineCoreOutput(request_id="r", new_token_ids=(1,))],
+                                    timestamp=1.0)
     template = msgpack.unpackb(ok[0], raw=False, strict_map_key=False)
 
     def nested_in_outputs(ext: msgpack.ExtType) -> None:
@@ -353,7 +354,8 @@ def _decoders():
     return {
         "vllm.decode_outputs": lambda ext: wire.decode_outputs([msgpack.packb(ext)]),
         "vllm.decode_outputs(nested)": nested_in_outputs,
-        "vllm.decode_ready_response": lambda ext: handshake.decode_ready_response(msgpack.packb({"max_model_len": ext})),
+        "vllm.decode_ready_response":
+            lambda ext: handshake.decode_ready_response(msgpack.packb({"max_model_len": ext})),
         "vllm.decode_handshake_status": lambda ext: handshake.decode_handshake_status(msgpack.packb({"status": ext})),
         "vllm.decode_init": lambda ext: handshake.decode_init(msgpack.packb(ext)),
         "vllm.decode_request": lambda ext: wire_engine.decode_request([msgpack.packb(ext)]),

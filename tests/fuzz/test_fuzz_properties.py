@@ -301,7 +301,8 @@ def test_mutated_requests_as_the_mock_engine_reads_them(frames: list[bytes]) -> 
     elif kind == wire.RequestType.UTILITY:
         only(RemoteProtocolError, wire_engine.decode_utility_call, frames[1])
     else:
-        only(RemoteProtocolError, wire_engine.decode_abort if kind == 1 else wire_engine.decode_start_dp_wave, frames[1])
+        decode = wire_engine.decode_abort if kind == 1 else wire_engine.decode_start_dp_wave
+        only(RemoteProtocolError, decode, frames[1])
 
 
 # --------------------------------------------------------------------------- tensors

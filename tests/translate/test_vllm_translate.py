@@ -175,7 +175,8 @@ def test_structured_outputs_equal_what_vllms_front_end_sends(vector, constraint)
 
     cases = json.loads((pathlib.Path(__file__).parents[1] / "wire" / "vectors" / "vllm_0.32.0.json").read_text())
     (case,) = [c for c in cases if c["name"] == vector]
-    theirs = wire_engine.decode_request([bytes.fromhex(h) for h in case["frames_hex"]]).sampling_params.structured_outputs
+    decoded = wire_engine.decode_request([bytes.fromhex(h) for h in case["frames_hex"]])
+    theirs = decoded.sampling_params.structured_outputs
     ours = params(req(max_tokens=4, **constraint)).structured_outputs
     assert ours == theirs
     assert msgpack.packb(ours._to_wire()) == msgpack.packb(theirs._to_wire())

@@ -282,5 +282,6 @@ def test_ready_response_vector() -> None:
     for key, value in view.items():
         if key not in ("prefix_granularity", "multimodal_encoder_dtype"):
             assert getattr(resp, key) == value, key
-    assert [ts_engine.encode_ready_response(resp, multimodal_encoder_dtype=view["multimodal_encoder_dtype"])] == golden(case)
+    encoded = ts_engine.encode_ready_response(resp, multimodal_encoder_dtype=view["multimodal_encoder_dtype"])
+    assert [encoded] == golden(case)
     assert not ts.is_tokenspeed(attrs.evolve(resp, vllm_version="0.32.0"))

@@ -75,7 +75,7 @@ def _unpack(payload: Any, what: str, *, use_list: bool = True) -> Any:
         return msgpack.unpackb(payload, use_list=use_list, raw=False, strict_map_key=False, ext_hook=ext_hook)
     except RemoteProtocolError:
         raise
-    except Exception as exc:  # noqa: BLE001  msgpack raises ValueError/TypeError/StackError/...: all "undecodable"
+    except Exception as exc:  # msgpack raises ValueError/TypeError/StackError/...: all "undecodable"
         raise RemoteProtocolError(f"{what}: not valid msgpack ({_describe(exc)})") from None
 
 
@@ -127,7 +127,7 @@ def _unpack_output_message(frames: Any, what: str) -> Any:
         return msgpack.unpackb(frames[0], use_list=False, raw=False, strict_map_key=False, ext_hook=ext_hook)
     except RemoteProtocolError:
         raise
-    except Exception as exc:  # noqa: BLE001  any msgpack failure means "not an output message"
+    except Exception as exc:  # any msgpack failure means "not an output message"
         raise RemoteProtocolError(f"{what}: not valid msgpack ({_describe(exc)})") from None
 
 

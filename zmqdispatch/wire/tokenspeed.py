@@ -45,7 +45,6 @@ bytes that do not decode; every encoder raises
 :class:`~zmqdispatch.errors.LocalProtocolError` for a value the wire cannot carry.
 """
 
-# ruff: noqa: RUF009  (schema._field is an attrs field specifier, not a call made per instance)
 from __future__ import annotations
 
 import array

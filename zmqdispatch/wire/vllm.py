@@ -32,7 +32,6 @@ bytes that do not decode (the connection counts them); every encoder raises
 :class:`~zmqdispatch.errors.LocalProtocolError` for a value the wire cannot carry.
 """
 
-# ruff: noqa: RUF009  (schema._field is an attrs field specifier, not a call made per instance)
 from __future__ import annotations
 
 import enum

@@ -15,7 +15,6 @@ Decoders raise only :class:`~zmqdispatch.errors.RemoteProtocolError`; encoders
 :class:`~zmqdispatch.errors.LocalProtocolError`.
 """
 
-# ruff: noqa: RUF009  (schema._field is an attrs field specifier, not a call made per instance)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence

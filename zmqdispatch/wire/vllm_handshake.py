@@ -263,10 +263,10 @@ def decode_ready_response(payload: bytes) -> EngineCoreReadyResponse:
         obj = dict(obj, block_size=obj["prefix_granularity"])
     try:
         return _handshake_converter.structure(obj, EngineCoreReadyResponse)
-    except Exception as exc:  # noqa: BLE001  cattrs ClassValidationError (an ExceptionGroup) and friends
+    except Exception as exc:  # cattrs ClassValidationError (an ExceptionGroup) and friends
         try:
             detail = "; ".join(cattrs.transform_error(exc))
-        except Exception:  # noqa: BLE001  transform_error does not know every exception
+        except Exception:  # transform_error does not know every exception
             detail = str(exc)
         raise RemoteProtocolError(f"EngineCoreReadyResponse: {detail}") from None
 
