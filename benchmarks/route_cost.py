@@ -18,7 +18,9 @@ import time
 from zmqdispatch.protocol.engine import EngineProtocol
 from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 
 def _requests(runtime: Runtime, c: int) -> list:
@@ -36,9 +38,9 @@ def _requests(runtime: Runtime, c: int) -> list:
 
 def _message(runtime: Runtime, c: int, step: int) -> list[bytes]:
     if runtime is Runtime.VLLM:
-        outs = [wire.EngineCoreOutput(request_id=f"r{i}", new_token_ids=(100 + step % 1000,)) for i in range(c)]
-        return wire.encode_outputs(0, outs, timestamp=time.monotonic())
-    return ts.encode_outputs(ts.TokenSpeedBatch(
+        outs = [wire_engine.EngineCoreOutput(request_id=f"r{i}", new_token_ids=(100 + step % 1000,)) for i in range(c)]
+        return wire_engine.encode_outputs(0, outs, timestamp=time.monotonic())
+    return ts_engine.encode_outputs(ts.TokenSpeedBatch(
         rids=tuple(f"r{i}" for i in range(c)), output_ids=tuple((100 + step % 1000,) for _ in range(c)),
         finished_reasons=("",) * c, prompt_tokens=(3,) * c, completion_tokens=(step + 1,) * c,
         cached_tokens=(0,) * c, logprob_vals=((),) * c, logprob_ids=((),) * c, num_running=c, kv_total_pages=1))

@@ -32,6 +32,7 @@ with atheris.instrument_imports():
     from zmqdispatch import limits
     from zmqdispatch.errors import RemoteProtocolError
     from zmqdispatch.wire import tokenspeed as ts
+    from zmqdispatch.wire import tokenspeed_engine as ts_engine
 
 import _common as C
 
@@ -68,7 +69,7 @@ def check_batch(b: ts.TokenSpeedBatch, budget: int) -> None:
 
 
 def _canon(b: ts.TokenSpeedBatch) -> list[bytes]:
-    return ts.encode_outputs(b, elements=min(b.wire_elements, ts.BATCH_ELEMENTS))
+    return ts_engine.encode_outputs(b, elements=min(b.wire_elements, ts.BATCH_ELEMENTS))
 
 
 def test_one_input(data: bytes) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing (atheris) of the TokenSpeed input decoders (mock-engine side).
 
-Targets: ``zmqdispatch.wire.tokenspeed.decode_input`` (``[type, payload, *aux]``:
+Targets: ``zmqdispatch.wire.tokenspeed_engine.decode_input`` (``[type, payload, *aux]``:
 ADD -> ``decode_add`` + ``finalize_add``, ABORT -> ``decode_abort``), then
 ``admission_error`` (what the engine's ingress refuses) and the sampling-params
 derivations (``derive``/``resolve_seed``/``normalize``/``validation_error``).
@@ -28,7 +28,9 @@ import atheris
 
 with atheris.instrument_imports():
     from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
+    from zmqdispatch.protocol import checks_tokenspeed
     from zmqdispatch.wire import tokenspeed as ts
+    from zmqdispatch.wire import tokenspeed_engine as ts_engine
 
 import _common as C
 
@@ -48,12 +50,12 @@ def check_add(req: ts.TokenizedGenerateReqInput, budget: int) -> None:
     C.assert_bounded("TokenizedGenerateReqInput", _values(req), budget + 64)
     for vocab in (None, 1000):
         for flags in ((False, False), (True, False), (True, True)):
-            reason = ts.admission_error(req, vocab_size=vocab, enable_output_logprobs=flags[0],
+            reason = checks_tokenspeed.admission_error(req, vocab_size=vocab, enable_output_logprobs=flags[0],
                                         supports_prompt_logprobs=flags[1])
             assert reason is None or type(reason) is str
     sp = req.sampling_params
     assert sp.normalize().normalize() == sp.normalize() or _has_nan(sp)
-    sp.validation_error(None)
+    checks_tokenspeed.sampling_params_error(sp, None)
     again = ts.finalize_add(req)
     assert _same(again, req), "finalize_add is not idempotent"
     try:
@@ -61,7 +63,7 @@ def check_add(req: ts.TokenizedGenerateReqInput, budget: int) -> None:
     except LocalProtocolError:
         # Only a value msgpack cannot write back (e.g. a map key it refuses).
         return
-    req2 = ts.finalize_add(ts.decode_add(frames))
+    req2 = ts.finalize_add(ts_engine.decode_add(frames))
     assert ts.encode_add(req2) == frames, "encode(decode(x)) is not a fixed point"
 
 
@@ -88,7 +90,7 @@ def test_one_input(data: bytes) -> None:
     else:
         frames = C.split_frames(data[1:])
     budget = C.total_bytes(frames)
-    ok, value = C.only_typed(RPE, ts.decode_input, frames)
+    ok, value = C.only_typed(RPE, ts_engine.decode_input, frames)
     if ok:
         rtype, payload = value
         if rtype is ts.RequestType.ADD:
@@ -97,7 +99,7 @@ def test_one_input(data: bytes) -> None:
             assert all(type(r) is str for r in payload) and len(payload) <= budget
     if len(frames) >= 2:
         # decode_add alone (no finalize): the derive()d values, never finalized.
-        ok, req = C.only_typed(RPE, ts.decode_add, frames[1:])
+        ok, req = C.only_typed(RPE, ts_engine.decode_add, frames[1:])
         if ok:
             assert req.sampling_params.derive() == req.sampling_params or _has_nan(req.sampling_params)
 

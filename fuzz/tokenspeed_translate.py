@@ -35,6 +35,8 @@ with atheris.instrument_imports():
     from zmqdispatch.protocol.mailbox import OutputDelta
     from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel
     from zmqdispatch.wire import tokenspeed as ts
+    from zmqdispatch.wire import tokenspeed_engine as ts_engine
+    from zmqdispatch.protocol import checks_tokenspeed
     from zmqdispatch.wire import vllm as wire
 
 from google.protobuf import struct_pb2
@@ -167,10 +169,10 @@ def check(req: pb.GenerateRequest, config: TranslationConfig, fdp: atheris.Fuzze
         except RequestRejected:
             continue
         frames = ts.encode_add(r)
-        back = ts.decode_add(frames)
+        back = ts_engine.decode_add(frames)
         assert back.rid == r.rid and back.input_ids == r.input_ids
         assert back.sampling_params == r.sampling_params.derive()
-        assert ts.admission_error(ts.finalize_add(back), vocab_size=config.vocab_size,
+        assert checks_tokenspeed.admission_error(ts.finalize_add(back), vocab_size=config.vocab_size,
                                   enable_output_logprobs=True) is None, "a request the engine would abort got out"
         assert len(r.input_ids) <= config.max_model_len - 2
         check_responses(t, fdp)

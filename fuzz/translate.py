@@ -44,6 +44,7 @@ with atheris.instrument_imports():
     from zmqdispatch.protocol.checks import check_request
     from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
     from zmqdispatch.wire import vllm as wire
+    from zmqdispatch.wire import vllm_engine as wire_engine
 
 from google.protobuf.message import DecodeError
 
@@ -291,7 +292,7 @@ def check(req: pb.GenerateRequest, config: TranslationConfig) -> None:
             if C.known("encode-recursion"):
                 continue
             raise
-        back = wire.decode_request(frames)
+        back = wire_engine.decode_request(frames)
         assert wire.encode_request(back) == frames, "decode(encode(request)) does not encode to the same bytes"
         assert back.request_id == r.request_id and back.prompt_token_ids == r.prompt_token_ids
         t.response_builder()

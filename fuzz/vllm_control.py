@@ -38,7 +38,10 @@ with atheris.instrument_imports():
     from zmqdispatch.errors import EngineDeadError, LocalProtocolError, RemoteProtocolError, UtilityCallError
     from zmqdispatch.protocol.engine import EngineProtocol
     from zmqdispatch.wire import tokenspeed as ts
+    from zmqdispatch.wire import tokenspeed_engine as ts_engine
     from zmqdispatch.wire import vllm as wire
+    from zmqdispatch.wire import vllm_engine as wire_engine
+    from zmqdispatch.wire import vllm_handshake as handshake
 
 import _common as C
 
@@ -92,18 +95,18 @@ def _utility(frames: list[bytes], budget: int) -> None:
 
 
 def _handshake_status(body: bytes, budget: int) -> None:
-    ok, hs = C.only_typed(RPE, wire.decode_handshake_status, body)
+    ok, hs = C.only_typed(RPE, handshake.decode_handshake_status, body)
     if not ok:
         return
     assert type(hs.status) is str and len(hs.status) <= budget
     if hs.status in ("HELLO", "READY") and hs.parallel_config_hash is None:
-        enc = wire.encode_hello if hs.status == "HELLO" else wire.encode_ready
-        again = wire.decode_handshake_status(enc(hs.local, hs.headless))
+        enc = handshake.encode_hello if hs.status == "HELLO" else handshake.encode_ready
+        again = handshake.decode_handshake_status(enc(hs.local, hs.headless))
         assert again == hs, (again, hs)
 
 
 def _ready_response(body: bytes, budget: int) -> None:
-    ok, resp = C.only_typed(RPE, wire.decode_ready_response, body)
+    ok, resp = C.only_typed(RPE, handshake.decode_ready_response, body)
     ok2, resp2 = C.only_typed(RPE, ts.decode_ready_response, body)
     assert ok == ok2
     if not ok:
@@ -112,7 +115,7 @@ def _ready_response(body: bytes, budget: int) -> None:
     C.assert_bounded("EngineCoreReadyResponse.kv_events_config", resp.kv_events_config, budget + 1)
     ts.is_tokenspeed(resp)
     try:
-        again = wire.decode_ready_response(wire.encode_ready_response(resp))
+        again = handshake.decode_ready_response(handshake.encode_ready_response(resp))
     except LocalProtocolError:
         return  # e.g. a kv_events_config value msgpack cannot write back
     # cattrs rebuilds the same attrs value (NaN aside: kv_cache_max_concurrency).
@@ -122,31 +125,31 @@ def _ready_response(body: bytes, budget: int) -> None:
 
 
 def _init(body: bytes, budget: int) -> None:
-    ok, init = C.only_typed(RPE, wire.decode_init, body)
+    ok, init = C.only_typed(RPE, handshake.decode_init, body)
     if not ok:
         return
     C.assert_bounded("HandshakeInit", (init.inputs, init.outputs, init.parallel_config), budget + 3)
     try:
-        payload = wire.encode_init(init.inputs, init.outputs, init.coordinator_input, init.coordinator_output,
+        payload = handshake.encode_init(init.inputs, init.outputs, init.coordinator_input, init.coordinator_output,
                                    init.frontend_stats_publish_address, init.parallel_config)
     except LocalProtocolError:
         return  # parallel_config holds a value msgpack cannot write back
-    again = wire.decode_init(payload)
+    again = handshake.decode_init(payload)
     assert (again.inputs, again.outputs, again.coordinator_input) == (init.inputs, init.outputs,
                                                                     init.coordinator_input)
 
 
 def _abort(body: bytes, budget: int) -> None:
-    ok, ids = C.only_typed(RPE, wire.decode_abort, body)
-    ok2, ids2 = C.only_typed(RPE, ts.decode_abort, body)
+    ok, ids = C.only_typed(RPE, wire_engine.decode_abort, body)
+    ok2, ids2 = C.only_typed(RPE, ts_engine.decode_abort, body)
     assert ok == ok2
     if ok:
         assert ids == ids2 and len(ids) <= budget
-        assert wire.decode_abort(wire.encode_abort(ids)) == ids
+        assert wire_engine.decode_abort(wire.encode_abort(ids)) == ids
 
 
 def _utility_call(body: bytes, budget: int) -> None:
-    ok, call = C.only_typed(RPE, wire.decode_utility_call, body)
+    ok, call = C.only_typed(RPE, wire_engine.decode_utility_call, body)
     if not ok:
         return
     C.assert_bounded("UtilityCall.args", call.args, budget + 1)
@@ -154,24 +157,24 @@ def _utility_call(body: bytes, budget: int) -> None:
         payload = wire.encode_utility_call(call.client_index, call.call_id, call.method, call.args)
     except LocalProtocolError:
         return  # an arg the encoder cannot write (e.g. bytes keys)
-    again = wire.decode_utility_call(payload)
+    again = wire_engine.decode_utility_call(payload)
     assert (again.client_index, again.call_id, again.method) == (call.client_index, call.call_id, call.method)
 
 
 def _dp_wave(body: bytes, _budget: int) -> None:
-    ok, value = C.only_typed(RPE, wire.decode_start_dp_wave, body)
+    ok, value = C.only_typed(RPE, wire_engine.decode_start_dp_wave, body)
     if ok:
         wave, exclude = value
         try:
             payload = wire.encode_start_dp_wave(wave, exclude)
         except LocalProtocolError:
             return
-        assert wire.decode_start_dp_wave(payload) == value
+        assert wire_engine.decode_start_dp_wave(payload) == value
 
 
 def _request_type(body: bytes, _budget: int) -> None:
-    ok, t = C.only_typed(RPE, wire.parse_request_type, body)
-    ok2, t2 = C.only_typed(RPE, ts.parse_request_type, body)
+    ok, t = C.only_typed(RPE, wire_engine.parse_request_type, body)
+    ok2, t2 = C.only_typed(RPE, ts_engine.parse_request_type, body)
     if ok:
         assert t.frame == body
     if ok2:

@@ -42,6 +42,7 @@ with atheris.instrument_imports():
     from zmqdispatch.protocol.engine import EngineProtocol, LinkState
     from zmqdispatch.wire import tensors
     from zmqdispatch.wire import vllm as wire
+    from zmqdispatch.wire import vllm_engine as wire_engine
 
 import _common as C
 
@@ -166,7 +167,7 @@ def _decode(frames: list[bytes], budget: int) -> None:
                 n = len(lp.ranks)
                 assert len(lp.token_ids) == len(lp.logprobs) == n
                 C.assert_bounded(fn.__name__, (lp.token_ids, lp.logprobs, lp.ranks), 4 * budget + 64)
-        C.only_typed(RemoteProtocolError, wire.EngineCoreOutput.from_row, row, frames)
+        C.only_typed(RemoteProtocolError, wire_engine.EngineCoreOutput.from_row, row, frames)
     if msg.utility_output is not None:
         assert type(msg.utility_output.call_id) is int
 

@@ -33,6 +33,7 @@ with atheris.instrument_imports():
     from zmqdispatch.mock.core import FatalEngineError, MockEngineCore
     from zmqdispatch.mock.server import _input_thread_would_die
     from zmqdispatch.wire import vllm as wire
+    from zmqdispatch.wire import vllm_engine as wire_engine
 
 import _common as C
 
@@ -60,7 +61,7 @@ def _encodable_refusal(req: wire.EngineCoreRequest, exc: LocalProtocolError) -> 
 
 
 def _add(frames: list[bytes], budget: int) -> None:
-    ok, req = C.only_typed(RPE, wire.decode_request, frames)
+    ok, req = C.only_typed(RPE, wire_engine.decode_request, frames)
     if not ok:
         return
     C.assert_bounded("EngineCoreRequest", _nodes_of_request(req), budget + 64)
@@ -74,7 +75,7 @@ def _add(frames: list[bytes], budget: int) -> None:
             raise
         again = None
     if again is not None:
-        req2 = wire.decode_request(again)  # what we write, we read back
+        req2 = wire_engine.decode_request(again)  # what we write, we read back
         assert wire.encode_request(req2) == again, "encode(decode(x)) is not a fixed point"
     # The mock engine's admission and one step (FatalEngineError = the real
     # engine's ENGINE_CORE_DEAD, a modelled outcome).
@@ -87,7 +88,7 @@ def _add(frames: list[bytes], budget: int) -> None:
         return
     if err is None:
         outs = core.step()
-        wire.encode_outputs(0, outs, timestamp=0.0)
+        wire_engine.encode_outputs(0, outs, timestamp=0.0)
 
 
 def test_one_input(data: bytes) -> None:
@@ -107,18 +108,18 @@ def test_one_input(data: bytes) -> None:
     if kind == wire.RequestType.ADD:
         _add(frames[1:], budget)
     elif kind == wire.RequestType.ABORT:
-        ok, ids = C.only_typed(RPE, wire.decode_abort, payload)
+        ok, ids = C.only_typed(RPE, wire_engine.decode_abort, payload)
         if ok:
             assert len(ids) <= budget
     elif kind == wire.RequestType.UTILITY:
-        ok, call = C.only_typed(RPE, wire.decode_utility_call, payload)
+        ok, call = C.only_typed(RPE, wire_engine.decode_utility_call, payload)
         if ok:
             C.assert_bounded("UtilityCall.args", call.args, budget + 1)
             MockEngineCore().utility(call.method, tuple(call.args))
     elif kind == wire.RequestType.START_DP_WAVE:
-        C.only_typed(RPE, wire.decode_start_dp_wave, payload)
+        C.only_typed(RPE, wire_engine.decode_start_dp_wave, payload)
     else:
-        C.only_typed(RPE, wire.parse_request_type, frames[0])
+        C.only_typed(RPE, wire_engine.parse_request_type, frames[0])
 
 
 if __name__ == "__main__":

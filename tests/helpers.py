@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 
 def make_request(rid: str = "r1", prompt: Sequence[int] = (1, 2, 3), **sp: object) -> wire.EngineCoreRequest:
@@ -22,15 +24,15 @@ def make_request(rid: str = "r1", prompt: Sequence[int] = (1, 2, 3), **sp: objec
 
 def out(
     rid: str, tokens: Sequence[int], finish: wire.FinishReason | None = None, **kw: object
-) -> wire.EngineCoreOutput:
+) -> wire_engine.EngineCoreOutput:
     """One EngineCoreOutput."""
-    return wire.EngineCoreOutput(request_id=rid, new_token_ids=tuple(tokens), finish_reason=finish, **kw)
+    return wire_engine.EngineCoreOutput(request_id=rid, new_token_ids=tuple(tokens), finish_reason=finish, **kw)
 
 
-def outputs_frames(outputs: Sequence[wire.EngineCoreOutput], **kw: object) -> list[bytes]:
+def outputs_frames(outputs: Sequence[wire_engine.EngineCoreOutput], **kw: object) -> list[bytes]:
     """Encode one EngineCoreOutputs message as the engine would."""
     kw.setdefault("timestamp", 1.0)
-    return wire.encode_outputs(0, list(outputs), **kw)
+    return wire_engine.encode_outputs(0, list(outputs), **kw)
 
 
 def make_ts_request(rid: str = "t1", prompt: Sequence[int] = (1, 2, 3), *, return_logprob: bool = False,
@@ -52,7 +54,7 @@ def ts_batch_frames(rows: Sequence[tuple], *, engine_index: int = 0, load: tuple
     """One BatchTokenIDOutSlim as the engine sends it. ``rows``: ``(rid, tokens, reason,
     prompt_tokens, completion_tokens[, logprob_vals])``."""
     lp = [tuple(r[5]) if len(r) > 5 else () for r in rows]
-    return ts.encode_outputs(ts.TokenSpeedBatch(
+    return ts_engine.encode_outputs(ts.TokenSpeedBatch(
         engine_index=engine_index,
         rids=tuple(r[0] for r in rows),
         output_ids=tuple(tuple(r[1]) for r in rows),

@@ -49,9 +49,9 @@ import shutil
 import signal
 import subprocess
 import sys
-from time import perf_counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from time import perf_counter
 from typing import Any
 
 import attrs
@@ -59,8 +59,8 @@ import trio
 import zmq
 
 from . import _ipc, limits
-from .addresses import check_address
 from ._zmq_trio import PeerUnreachable, SendTimeout, TrioSocket, ZmqContext, parse_monitor_event
+from .addresses import check_address
 from .errors import (
     AddressBindError,
     EngineDeadError,
@@ -68,17 +68,17 @@ from .errors import (
     EngineHandshakeTimeout,
     UtilityCallTimeout,
 )
-from .protocol import control
 from .metrics import EngineStats
+from .protocol import control
 from .protocol.deadlines import Deadlines, DeadlineScheduler, TimedMailbox, effective_deadlines
 from .protocol.engine import EngineProtocol, LinkState
 from .protocol.handshake import Handshake
 from .protocol.link import EngineLink, LinkAction, LinkDecision
+from .protocol.mailbox import Mailbox
 from .protocol.runtime import Runtime
 from .protocol.versions import EngineVersion, check_engine_version
-from .protocol.mailbox import Mailbox
 from .streams import EngineRequest, RequestStream, SampleStream, StreamGroup, open_samples
-from .wire import vllm as wire
+from .wire import vllm_handshake as wire  # the handshake: the only wire client.py speaks itself
 
 __all__ = ["ClientConfig", "EngineClient", "EngineSession", "LoRARequest", "connect"]
 

@@ -16,6 +16,8 @@ import zmq
 from zmqdispatch.bench import _common as common
 from zmqdispatch.bench.engine import StepEncoder, token_for_step
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 
 
 def _decode(payload: bytes) -> wire.EngineCoreOutputs:
@@ -39,7 +41,7 @@ def test_steps_decode_like_the_wire_encoder(k: int) -> None:
         assert len(msg.outputs) == rows
         assert sum(len(r[1]) for r in msg.outputs) == tokens
         for row in msg.outputs:
-            out = wire.EngineCoreOutput.from_row(row, [payload])
+            out = wire_engine.EngineCoreOutput.from_row(row, [payload])
             assert set(out.new_token_ids) == {token_for_step(step)}
             seen[out.request_id] += list(out.new_token_ids)
             if step == 0:
@@ -51,8 +53,8 @@ def test_steps_decode_like_the_wire_encoder(k: int) -> None:
                 assert out.finish_reason == wire.FinishReason.LENGTH
                 assert out.request_id in finished
         # The same message through the project's encoder decodes identically.
-        rebuilt = wire.encode_outputs(
-            2, [wire.EngineCoreOutput.from_row(r, [payload]) for r in msg.outputs],
+        rebuilt = wire_engine.encode_outputs(
+            2, [wire_engine.EngineCoreOutput.from_row(r, [payload]) for r in msg.outputs],
             timestamp=ts, weight_version="default")[0]
         assert rebuilt == payload
     assert len(seen["a"]) == 2 * k + 1 and len(seen["c"]) == 1 and len(seen["b"]) == 5 * k
@@ -88,7 +90,7 @@ def test_engine_process_serves_raw_client(tmp_path) -> None:
     try:
         assert router.poll(30_000)
         identity, ready = router.recv_multipart()
-        assert wire.decode_ready_response(ready).max_model_len > 0
+        assert handshake.decode_ready_response(ready).max_model_len > 0
         cfg = ctl.request("cfg", {"mode": "run", "step_interval_ms": 1.0, "window": 6, "tokens_per_tick": 2})
         req = wire.EngineCoreRequest(request_id="x", prompt_token_ids=(1, 2, 3),
                                      sampling_params=wire.SamplingParams(max_tokens=1000), arrival_time=0.0)

@@ -10,6 +10,7 @@ import trio
 
 from zmqdispatch import Deadlines, DeadlineExceeded, EngineStats, RequestError
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 from ..helpers import make_request
 from .conftest import fake_pair
@@ -102,8 +103,8 @@ async def test_deadlines_in_a_stream_group_and_in_fan_out(mock_clock):
                                          deadlines=Deadlines(stall=1.0)) as merged:
                 for _ in range(2):
                     await engine.receive_add()
-                await engine.send_outputs([wire.EngineCoreOutput(request_id="p-0", new_token_ids=(1,)),
-                                           wire.EngineCoreOutput(request_id="p-1", new_token_ids=(2,))])
+                await engine.send_outputs([wire_engine.EngineCoreOutput(request_id="p-0", new_token_ids=(1,)),
+                                           wire_engine.EngineCoreOutput(request_id="p-1", new_token_ids=(2,))])
                 seen = [await merged.receive(), await merged.receive()]
                 assert sorted((i, d.token_ids) for i, d in seen) == [(0, [1]), (1, [2])]
                 with pytest.raises(DeadlineExceeded):

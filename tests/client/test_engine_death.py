@@ -24,6 +24,7 @@ from zmqdispatch import (
 )
 from zmqdispatch.testing.fake_engine import FakeEngine
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_handshake as handshake
 
 from ..helpers import make_request
 from .conftest import fake_pair
@@ -241,16 +242,17 @@ async def _dying_engine(addr: str, dies: str) -> None:
     import zmq
 
     from zmqdispatch._zmq_trio import ZmqContext
-    from zmqdispatch.wire import tokenspeed as ts
+    from zmqdispatch.wire import tokenspeed_engine as ts_engine
 
     runtime, wait_init, _ = DYING_HANDSHAKES[dies]
     hs = ZmqContext().socket(zmq.DEALER, name="engine-handshake", identity=b"\x00\x00")
     hs.connect(addr)
-    await hs.send([ts.encode_hello() if runtime == "tokenspeed" else wire.encode_hello(local=True, headless=False)])
+    hello = ts_engine.encode_hello() if runtime == "tokenspeed" else handshake.encode_hello(local=True, headless=False)
+    await hs.send([hello])
     if wait_init:
         await hs.recv_multipart()  # INIT
     if runtime == "tokenspeed":
-        await hs.send([ts.encode_ready()])
+        await hs.send([ts_engine.encode_ready()])
     hs.close(linger_ms=1000)
 
 

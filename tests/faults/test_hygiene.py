@@ -26,7 +26,10 @@ from zmqdispatch import AddressBindError, ClientConfig, RemoteProtocolError, con
 from zmqdispatch._ipc import ipc_path, prepare_bind, prepare_bind_now, private_ipc_dir
 from zmqdispatch.testing.fake_engine import FakeEngine
 from zmqdispatch.wire import tokenspeed
+from zmqdispatch.wire import tokenspeed_engine
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 
 from ..helpers import make_request
 from .engines import GUARD
@@ -338,7 +341,8 @@ def _pickled_payloads() -> list[tuple[int, bytes]]:
 
 
 def _decoders():
-    ok = wire.encode_outputs(0, [wire.EngineCoreOutput(request_id="r", new_token_ids=(1,))], timestamp=1.0)
+    ok = wire_engine.encode_outputs(0, [wire_engine.EngineCoreOutput(request_id="r", new_token_ids=(1,))],
+                                    timestamp=1.0)
     template = msgpack.unpackb(ok[0], raw=False, strict_map_key=False)
 
     def nested_in_outputs(ext: msgpack.ExtType) -> None:
@@ -350,13 +354,14 @@ def _decoders():
     return {
         "vllm.decode_outputs": lambda ext: wire.decode_outputs([msgpack.packb(ext)]),
         "vllm.decode_outputs(nested)": nested_in_outputs,
-        "vllm.decode_ready_response": lambda ext: wire.decode_ready_response(msgpack.packb({"max_model_len": ext})),
-        "vllm.decode_handshake_status": lambda ext: wire.decode_handshake_status(msgpack.packb({"status": ext})),
-        "vllm.decode_init": lambda ext: wire.decode_init(msgpack.packb(ext)),
-        "vllm.decode_request": lambda ext: wire.decode_request([msgpack.packb(ext)]),
-        "vllm.decode_utility_call": lambda ext: wire.decode_utility_call(msgpack.packb([0, 1, "m", [ext]])),
+        "vllm.decode_ready_response":
+            lambda ext: handshake.decode_ready_response(msgpack.packb({"max_model_len": ext})),
+        "vllm.decode_handshake_status": lambda ext: handshake.decode_handshake_status(msgpack.packb({"status": ext})),
+        "vllm.decode_init": lambda ext: handshake.decode_init(msgpack.packb(ext)),
+        "vllm.decode_request": lambda ext: wire_engine.decode_request([msgpack.packb(ext)]),
+        "vllm.decode_utility_call": lambda ext: wire_engine.decode_utility_call(msgpack.packb([0, 1, "m", [ext]])),
         "tokenspeed.decode_outputs": lambda ext: tokenspeed.decode_outputs([msgpack.packb(ext)]),
-        "tokenspeed.decode_input": lambda ext: tokenspeed.decode_input([msgpack.packb(ext)]),
+        "tokenspeed_engine.decode_input": lambda ext: tokenspeed_engine.decode_input([msgpack.packb(ext)]),
         "tokenspeed.decode_ready_response": lambda ext: tokenspeed.decode_ready_response(msgpack.packb(ext)),
     }
 

@@ -28,6 +28,7 @@ import trio
 
 from zmqdispatch import EngineDeadError, RemoteProtocolError, limits
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 from ..client.conftest import fake_pair, mock_clock  # noqa: F401  (mock_clock: a fixture, autojump after 50 ms of real idleness)
 from ..helpers import make_request
@@ -159,7 +160,7 @@ async def test_an_engine_closing_both_connections_is_death_for_every_stream_neve
                     await s.__aenter__()
                 for _ in streams:
                     await engine.receive_add()
-                await engine.send_outputs([wire.EngineCoreOutput(request_id=f"r{i}", new_token_ids=(i,))
+                await engine.send_outputs([wire_engine.EngineCoreOutput(request_id=f"r{i}", new_token_ids=(i,))
                                            for i in range(5)])
                 engine.close()
                 for s in streams:

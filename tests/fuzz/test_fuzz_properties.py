@@ -49,12 +49,16 @@ from zmqdispatch.errors import (
     ZmqDispatchError,
 )
 from zmqdispatch.mock.core import FatalEngineError, MockEngineCore
+from zmqdispatch.protocol import checks_tokenspeed
 from zmqdispatch.protocol.checks import check_request
 from zmqdispatch.protocol.engine import EngineProtocol, LinkState
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
 from zmqdispatch.wire import tensors
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 
 FUZZ = settings(
     deadline=None,
@@ -85,13 +89,13 @@ VLLM_REQUESTS = _golden(_VLLM, "request_", "utility_call_", type_byte=True)
 TS_OUTPUTS = _golden(_TS, "outputs_")
 TS_INPUTS = _golden(_TS, "add_", "abort_", type_byte=True)
 CONTROL = {
-    wire.decode_handshake_status: _golden(_VLLM + _TS, "handshake_hello", "handshake_ready_headless"),
-    wire.decode_ready_response: _golden(_VLLM, "handshake_ready_response"),
+    handshake.decode_handshake_status: _golden(_VLLM + _TS, "handshake_hello", "handshake_ready_headless"),
+    handshake.decode_ready_response: _golden(_VLLM, "handshake_ready_response"),
     ts.decode_ready_response: _golden(_TS, "ready_response"),
-    wire.decode_init: _golden(_VLLM, "handshake_init_reply"),
-    wire.decode_abort: _golden(_VLLM + _TS, "request_abort", "abort_"),
-    wire.decode_utility_call: _golden(_VLLM, "utility_call_"),
-    wire.decode_start_dp_wave: _golden(_VLLM, "request_start_dp_wave"),
+    handshake.decode_init: _golden(_VLLM, "handshake_init_reply"),
+    wire_engine.decode_abort: _golden(_VLLM + _TS, "request_abort", "abort_"),
+    wire_engine.decode_utility_call: _golden(_VLLM, "utility_call_"),
+    wire_engine.decode_start_dp_wave: _golden(_VLLM, "request_start_dp_wave"),
 }
 
 # --------------------------------------------------------------------------- structural mutation
@@ -196,7 +200,7 @@ def test_mutated_vllm_outputs_and_their_lazy_parts_raise_only_remote_errors(fram
                 ok, lp = only(RemoteProtocolError, decode, row[pos], frames)
                 if ok:
                     assert len(lp.token_ids) == len(lp.logprobs) == len(lp.ranks)
-        only(RemoteProtocolError, wire.EngineCoreOutput.from_row, row, frames)
+        only(RemoteProtocolError, wire_engine.EngineCoreOutput.from_row, row, frames)
 
 
 def _registered(frames: list[bytes]) -> list[str]:
@@ -282,22 +286,23 @@ def test_mutated_utility_outputs_settle_calls_typed(frames: list[bytes], call_id
 def test_mutated_requests_as_the_mock_engine_reads_them(frames: list[bytes]) -> None:
     kind = frames[0][0]
     if kind == wire.RequestType.ADD:
-        ok, req = only(RemoteProtocolError, wire.decode_request, frames[1:])
+        ok, req = only(RemoteProtocolError, wire_engine.decode_request, frames[1:])
         if not ok:
             return
         try:
             again = wire.encode_request(req)
         except LocalProtocolError:
             return  # e.g. a big-endian prompt_embeds tensor: decodable, not encodable
-        assert wire.encode_request(wire.decode_request(again)) == again
+        assert wire.encode_request(wire_engine.decode_request(again)) == again
         try:
             MockEngineCore(vocab_size=1000, max_model_len=64).add(req)
         except FatalEngineError:
             pass
     elif kind == wire.RequestType.UTILITY:
-        only(RemoteProtocolError, wire.decode_utility_call, frames[1])
+        only(RemoteProtocolError, wire_engine.decode_utility_call, frames[1])
     else:
-        only(RemoteProtocolError, wire.decode_abort if kind == 1 else wire.decode_start_dp_wave, frames[1])
+        decode = wire_engine.decode_abort if kind == 1 else wire_engine.decode_start_dp_wave
+        only(RemoteProtocolError, decode, frames[1])
 
 
 # --------------------------------------------------------------------------- tensors
@@ -366,25 +371,25 @@ def test_mutated_tokenspeed_batches_raise_only_remote_errors(frames: list[bytes]
     b.finished_rids()
     if b.load is not None:
         _ = b.load.kv_usage
-    canon = ts.encode_outputs(b, elements=min(b.wire_elements, ts.BATCH_ELEMENTS))
-    assert ts.encode_outputs(ts.decode_outputs(canon), elements=min(b.wire_elements, ts.BATCH_ELEMENTS)) == canon
+    canon = ts_engine.encode_outputs(b, elements=min(b.wire_elements, ts.BATCH_ELEMENTS))
+    assert ts_engine.encode_outputs(ts.decode_outputs(canon), elements=min(b.wire_elements, ts.BATCH_ELEMENTS)) == canon
 
 
 @FUZZ
 @given(mutated(TS_INPUTS, payload_index=1))
 def test_mutated_tokenspeed_inputs_raise_only_remote_errors(frames: list[bytes]) -> None:
-    ok, value = only(RemoteProtocolError, ts.decode_input, frames)
+    ok, value = only(RemoteProtocolError, ts_engine.decode_input, frames)
     if not ok or value[0] is not ts.RequestType.ADD:
         return
     req = value[1]
     for vocab in (None, 1000):
-        reason = ts.admission_error(req, vocab_size=vocab, enable_output_logprobs=True)
+        reason = checks_tokenspeed.admission_error(req, vocab_size=vocab, enable_output_logprobs=True)
         assert reason is None or type(reason) is str
     try:
         enc = ts.encode_add(req)
     except LocalProtocolError:
         return
-    assert ts.encode_add(ts.finalize_add(ts.decode_add(enc))) == enc
+    assert ts.encode_add(ts.finalize_add(ts_engine.decode_add(enc))) == enc
 
 
 # --------------------------------------------------------------------------- translation
@@ -496,7 +501,7 @@ def _translate_contract(req: pb.GenerateRequest, config: TranslationConfig) -> N
         sp = r.sampling_params
         assert sp.n == 1 and len(r.prompt_token_ids) + sp.max_tokens <= config.max_model_len
         frames = wire.encode_request(r)  # a checked request always encodes
-        assert wire.encode_request(wire.decode_request(frames)) == frames
+        assert wire.encode_request(wire_engine.decode_request(frames)) == frames
         child.response_builder()
 
 

@@ -17,7 +17,12 @@ import pytest
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError, RequestRejected
 from zmqdispatch.protocol.checks import check_request
 from zmqdispatch.protocol.engine import EngineProtocol, SendState
-from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel, translate_request
+from zmqdispatch.translate.vllm import (
+    TranslationConfig,
+    pb,
+    translate_parallel,
+    translate_request,
+)
 from zmqdispatch.wire import tensors
 from zmqdispatch.wire import vllm as wire
 
@@ -185,16 +190,18 @@ def test_tokenspeed_add_with_a_nan_created_time_is_finalized_idempotently_and_ro
     equal wherever it sits. This pins what it relies on: the decoded request is
     finalized to the same values (NaN kept, bit for bit on the wire), the
     admission checks raise nothing, and encode/decode is a fixed point."""
+    from zmqdispatch.protocol import checks_tokenspeed
     from zmqdispatch.wire import tokenspeed as ts
+    from zmqdispatch.wire import tokenspeed_engine as ts_engine
 
     payload = bytes.fromhex(payload_hex)
-    rtype, req = ts.decode_input([bytes([ts.RequestType.ADD]), payload])
+    rtype, req = ts_engine.decode_input([bytes([ts.RequestType.ADD]), payload])
     assert rtype is ts.RequestType.ADD and req.created_time != req.created_time  # NaN
     again = ts.finalize_add(req)
     assert repr(again) == repr(req)  # idempotent, NaN for NaN
     for vocab in (None, 1000):
-        reason = ts.admission_error(req, vocab_size=vocab)
+        reason = checks_tokenspeed.admission_error(req, vocab_size=vocab)
         assert reason is None or type(reason) is str
     frames = ts.encode_add(req)
     assert ts.encode_add(again) == frames
-    assert ts.encode_add(ts.finalize_add(ts.decode_add(frames))) == frames
+    assert ts.encode_add(ts.finalize_add(ts_engine.decode_add(frames))) == frames

@@ -24,6 +24,7 @@ from zmqdispatch._zmq_trio import TrioSocket, ZmqContext
 from zmqdispatch.mock.server import MockEngineConfig, rank_configs, serve_mock_ranks
 from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_handshake
 
 from ..faults.engines import GUARD, external_mock
 from ..helpers import make_request, make_ts_request
@@ -70,15 +71,15 @@ async def handshake(hs: TrioSocket, ranks: dict[int, Rank], *, tokenspeed: bool 
     hellos: list[bytes] = []
     readies: set[bytes] = set()
     responses: dict[int, object] = {}
-    decode_ready = ts.decode_ready_response if tokenspeed else wire.decode_ready_response
+    decode_ready = ts.decode_ready_response if tokenspeed else vllm_handshake.decode_ready_response
     while len(readies) < len(ranks):
         who, payload = await hs.recv_multipart()
-        status = wire.decode_handshake_status(payload)
+        status = vllm_handshake.decode_handshake_status(payload)
         if status.status == "HELLO":
             assert who not in hellos, f"second HELLO from {who.hex()}"
             hellos.append(who)
             rank = ranks[int.from_bytes(who, "little")]
-            await hs.send([who, wire.encode_init(inputs=[rank.input_address], outputs=[rank.output_address])])
+            await hs.send([who, vllm_handshake.encode_init(inputs=[rank.input_address], outputs=[rank.output_address])])
         else:
             assert status.status == "READY" and who in hellos
             readies.add(who)
@@ -158,18 +159,18 @@ async def test_serve_mock_ranks_reports_started_once_every_rank_is_up(tmp_path):
             hellos = []
             while len(hellos) < 2:  # both ranks dial at once, before anyone is answered
                 who, payload = await hs.recv_multipart()
-                assert wire.decode_handshake_status(payload).status == "HELLO"
+                assert vllm_handshake.decode_handshake_status(payload).status == "HELLO"
                 hellos.append(who)
             assert sorted(hellos) == [identity(0), identity(1)]
             rank0 = ranks[0]
-            await hs.send([identity(0), wire.encode_init(inputs=[rank0.input_address],
+            await hs.send([identity(0), vllm_handshake.encode_init(inputs=[rank0.input_address],
                                                          outputs=[rank0.output_address])])
             who, payload = await hs.recv_multipart()
-            assert (who, wire.decode_handshake_status(payload).status) == (identity(0), "READY")
+            assert (who, vllm_handshake.decode_handshake_status(payload).status) == (identity(0), "READY")
             await trio.testing.wait_all_tasks_blocked()
             assert not started.is_set()  # rank 1 still waits for its INIT
             rank1 = ranks[1]
-            await hs.send([identity(1), wire.encode_init(inputs=[rank1.input_address],
+            await hs.send([identity(1), vllm_handshake.encode_init(inputs=[rank1.input_address],
                                                          outputs=[rank1.output_address])])
             await started.wait()
             nursery.cancel_scope.cancel()

@@ -10,6 +10,7 @@ from zmqdispatch import limits
 from zmqdispatch.mock.core import mock_token
 from zmqdispatch.mock.tokenspeed_core import MockTokenSpeedScheduler
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
 
 from ..helpers import make_ts_request
 from .test_cli_and_mock import lines, run_cli
@@ -24,7 +25,7 @@ class Clock:
 
 def admit(core: MockTokenSpeedScheduler, req: ts.TokenizedGenerateReqInput):
     # what the engine's receiver does to an ADD before admission
-    return core.add(ts.finalize_add(ts.decode_add(ts.encode_add(req))))
+    return core.add(ts.finalize_add(ts_engine.decode_add(ts.encode_add(req))))
 
 
 def run_to_end(core: MockTokenSpeedScheduler) -> list[ts.TokenSpeedBatch]:

@@ -13,6 +13,7 @@ from zmqdispatch.protocol.checks import check_tokenspeed_request
 from zmqdispatch.errors import RequestRejected
 from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
 
 from ..wire.test_tokenspeed_reference import (  # noqa: F401  (the fixture is used by name)
     TokenSpeedHelper,
@@ -39,7 +40,7 @@ def test_every_mock_batch_decodes_in_tokenspeed_to_the_same_values(tokenspeed: T
     ]
     batches = []
     for req in reqs:
-        _, finalized = ts.decode_input([b"\x00", *ts.encode_add(req)])
+        _, finalized = ts_engine.decode_input([b"\x00", *ts.encode_add(req)])
         if (b := core.add(finalized)) is not None:
             batches.append(b)
     while core.running:
@@ -47,7 +48,7 @@ def test_every_mock_batch_decodes_in_tokenspeed_to_the_same_values(tokenspeed: T
             batches.append(b)
     assert any("abort" in b.finished_reasons for b in batches)
     for b in batches:
-        reply = tokenspeed.call(op="out_decode", frames=hexes(ts.encode_outputs(b)))
+        reply = tokenspeed.call(op="out_decode", frames=hexes(ts_engine.encode_outputs(b)))
         assert reply["error"] is None and reply["decoded"] == batch_view(b)
 
 
@@ -66,7 +67,7 @@ def test_mock_admission_matches_tokenspeed_ingress(tokenspeed: TokenSpeedHelper)
         req = ts.TokenizedGenerateReqInput(rid="r", input_ids=(1, 2), sampling_params=sp)
         frames = ts.encode_add(req)
         reply = tokenspeed.call(op="add_decode", frames=hexes(frames), admission=flags)
-        _, finalized = ts.decode_input([b"\x00", *frames])
+        _, finalized = ts_engine.decode_input([b"\x00", *frames])
         refused = MockTokenSpeedScheduler().add(finalized) is not None
         assert refused == bool(reply["admission"]), (sp, reply["admission"])
 

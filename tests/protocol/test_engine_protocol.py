@@ -16,6 +16,7 @@ from zmqdispatch.errors import (
 )
 from zmqdispatch.protocol.engine import EngineProtocol, SendState
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 from ..helpers import make_request, outputs_frames, out
 
@@ -34,9 +35,9 @@ def kinds(frames: list[list[bytes]]) -> list[tuple[int, object]]:
     for f in frames:
         t = f[1][0]
         if t == wire.RequestType.ABORT:
-            res.append((t, wire.decode_abort(f[2])))
+            res.append((t, wire_engine.decode_abort(f[2])))
         elif t == wire.RequestType.ADD:
-            res.append((t, wire.decode_request(f[2:]).request_id))
+            res.append((t, wire_engine.decode_request(f[2:]).request_id))
         else:
             res.append((t, None))
     return res
@@ -48,7 +49,7 @@ def test_submit_queues_add_with_identity_and_type_byte():
     assert add.state is SendState.QUEUED and p.wants_send
     (frames,) = sent(p)
     assert frames[0] == b"\x01\x00" and frames[1] == b"\x00"
-    assert wire.decode_request(frames[2:]).request_id == "r1"
+    assert wire_engine.decode_request(frames[2:]).request_id == "r1"
     assert add.state is SendState.SENT and p.inflight == 1
 
 
@@ -111,7 +112,7 @@ def test_abort_then_resubmit_of_the_same_id_sends_the_abort_first():
     frames = sent(p)
     # the resubmission travels under a fresh engine-side id (see the next test)
     assert kinds(frames) == [(wire.RequestType.ABORT, ("r1",)), (wire.RequestType.ADD, "r1~1")]
-    assert wire.decode_request(frames[1][2:]).external_req_id == "r1"
+    assert wire_engine.decode_request(frames[1][2:]).external_req_id == "r1"
 
 
 def test_late_outputs_of_an_aborted_request_never_reach_a_reuse_of_its_id():
@@ -322,7 +323,7 @@ def test_utility_call_resolves_by_call_id_and_failure_is_typed():
     c2 = p.start_utility("bogus", [1, "x"])
     frames = sent(p)
     assert [f[1] for f in frames] == [b"\x03", b"\x03"]
-    call = wire.decode_utility_call(frames[1][2])
+    call = wire_engine.decode_utility_call(frames[1][2])
     assert (call.method, list(call.args)) == ("bogus", [1, "x"])
     p.frames_received(outputs_frames([], utility_output=wire.UtilityOutput(call_id=c1.call_id, failure_message=None,
                                                                             result=wire.UtilityResult(["generate"]))))
@@ -384,7 +385,7 @@ def test_submit_registers_without_encoding_and_pop_send_encodes(monkeypatch):
     assert add1.frames == [b"\x01\x00", b"\x00"] and add1.request is not None
     first = p.pop_send()
     assert first is add1 and calls == ["r1"] and add1.state is SendState.SENDING and add1.request is None
-    assert wire.decode_request(add1.frames[2:]).request_id == "r1"
+    assert wire_engine.decode_request(add1.frames[2:]).request_id == "r1"
     p.send_done(add1)
     assert kinds(sent(p)) == [(wire.RequestType.ADD, "r2")] and calls == ["r1", "r2"]
 

@@ -20,7 +20,9 @@ from zmqdispatch.errors import (
 from zmqdispatch.protocol.engine import EngineProtocol, SendState
 from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_handshake as handshake
 
 from ..helpers import make_request, make_ts_request, outputs_frames, out, ts_batch_frames
 
@@ -46,8 +48,8 @@ def sent(p: EngineProtocol) -> list[list[bytes]]:
     return frames
 
 
-def ready(version: str) -> wire.EngineCoreReadyResponse:
-    return wire.EngineCoreReadyResponse(max_model_len=64, num_gpu_blocks=1, block_size=16, vllm_version=version)
+def ready(version: str) -> handshake.EngineCoreReadyResponse:
+    return handshake.EngineCoreReadyResponse(max_model_len=64, num_gpu_blocks=1, block_size=16, vllm_version=version)
 
 
 # ------------------------------------------------------------------ runtime choice
@@ -97,10 +99,10 @@ def test_add_and_abort_frames_are_tokenspeed_bytes():
     ((ident, kind, payload),) = sent(p)
     assert (ident, kind) == (b"\x02\x00", b"\x00")
     assert payload.startswith(b"\xdc\x00\x19\xb9TokenizedGenerateReqInput")
-    assert ts.decode_add([payload]).rid == "t1"
+    assert ts_engine.decode_add([payload]).rid == "t1"
     p.abort(["t1"])
     ((_, kind, payload),) = sent(p)
-    assert kind == b"\x01" and ts.decode_abort(payload) == ("t1",)
+    assert kind == b"\x01" and ts_engine.decode_abort(payload) == ("t1",)
 
 
 def test_batch_columns_route_to_their_streams():
@@ -174,7 +176,7 @@ def test_logprob_count_not_matching_tokens_fails_that_request_only():
     a, _ = p.submit(make_ts_request("a", return_logprob=True))
     b, _ = p.submit(make_ts_request("b"))
     sent(p)
-    frames = ts.encode_outputs(ts.TokenSpeedBatch(
+    frames = ts_engine.encode_outputs(ts.TokenSpeedBatch(
         rids=("a", "b"), output_ids=((1, 2), (3,)), finished_reasons=("", ""), prompt_tokens=(3, 3),
         completion_tokens=(2, 1), cached_tokens=(0, 0), logprob_vals=((-0.1,), ()), logprob_ids=((1,), ()),
     ))
@@ -182,7 +184,7 @@ def test_logprob_count_not_matching_tokens_fails_that_request_only():
     with pytest.raises(RemoteProtocolError, match="1 logprobs for 2 new tokens"):
         a.take()
     assert b.take().token_ids == [3]
-    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("a",)]
+    assert [ts_engine.decode_abort(f[2]) for f in sent(p)] == [("a",)]
 
 
 def test_slow_consumer_is_failed_and_aborted():
@@ -193,7 +195,7 @@ def test_slow_consumer_is_failed_and_aborted():
         p.frames_received(ts_batch_frames([("a", [i + 3], "", 3, i + 1)]))
     with pytest.raises(SlowConsumerError):
         mb.take()
-    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("a",)]
+    assert [ts_engine.decode_abort(f[2]) for f in sent(p)] == [("a",)]
 
 
 def test_client_abort_retires_locally_since_tokenspeed_sends_no_terminal_frame():
@@ -204,7 +206,7 @@ def test_client_abort_retires_locally_since_tokenspeed_sends_no_terminal_frame()
     assert p.inflight == 0
     with pytest.raises(RequestStreamClosed):
         mb.take()
-    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("a",)]
+    assert [ts_engine.decode_abort(f[2]) for f in sent(p)] == [("a",)]
     # a late frame of the old request is counted and dropped
     p.frames_received(ts_batch_frames([("a", [5], "", 3, 1)]))
     assert p.unknown_outputs == 1
@@ -224,7 +226,7 @@ def test_abort_that_raced_the_finish_sends_a_reuse_of_the_id_under_a_fresh_one()
     assert "a" in p._parked
     # TokenSpeed parks that ABORT and would apply it, silently, to the next "a"
     mb, _ = p.submit(make_ts_request("a"))
-    assert mb.wire_id == "a~1" and [ts.decode_add(f[2:]).rid for f in sent(p)] == ["a~1"]
+    assert mb.wire_id == "a~1" and [ts_engine.decode_add(f[2:]).rid for f in sent(p)] == ["a~1"]
     p.frames_received(ts_batch_frames([("a~1", [6], "length", 3, 1)]))
     d = mb.take()
     assert d.request_id == "a" and d.token_ids == [6] and not p.is_live("a")
@@ -300,7 +302,7 @@ def test_orphans_aborted_on_a_resumed_tokenspeed_link_are_never_reused_as_is():
     clock = Clock()
     p = link(clock=clock)
     p.abort_stale(["old-1"])
-    assert [ts.decode_abort(f[2]) for f in sent(p)] == [("old-1",)]
+    assert [ts_engine.decode_abort(f[2]) for f in sent(p)] == [("old-1",)]
     assert p.submit(make_ts_request("old-1"))[0].wire_id == "old-1~1"
     p.abort(["old-1"])
     clock.now += limits.TOKENSPEED_ABORT_PARK_SECONDS

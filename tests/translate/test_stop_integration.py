@@ -11,6 +11,7 @@ from zmqdispatch.errors import RequestRejected
 from zmqdispatch.protocol.mailbox import OutputDelta
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_request
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 from ..client.conftest import fake_pair
 from .test_stops import IDS, TOK
@@ -35,7 +36,7 @@ def test_stop_strings_never_reach_the_wire_and_single_token_stops_become_stop_id
     t = translate(stop=["STOP", "\n\n"])
     sp = t.request.sampling_params
     assert sp.stop == ()  # vLLM's __post_init__ would reject stop strings with detokenize=False
-    decoded = wire.decode_request(wire.encode_request(t.request)).sampling_params
+    decoded = wire_engine.decode_request(wire.encode_request(t.request)).sampling_params
     assert decoded.stop == () and decoded.detokenize is False
     assert set(sp.stop_token_ids) >= {STOP, NLNL}  # both are exactly one token
     assert t.stop_plan.token_stops == {STOP: "STOP", NLNL: "\n\n"}

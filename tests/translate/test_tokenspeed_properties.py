@@ -10,6 +10,8 @@ from zmqdispatch.protocol.checks import check_tokenspeed_request
 from zmqdispatch.protocol.mailbox import OutputDelta
 from zmqdispatch.translate.tokenspeed import ResponseBuilder, TranslationConfig, pb, translate_parallel
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
+from zmqdispatch.protocol import checks_tokenspeed
 from zmqdispatch.wire import vllm as wire
 
 SETTINGS = settings(deadline=None, max_examples=300, database=None,
@@ -68,13 +70,13 @@ def test_any_request_is_refused_by_name_or_travels_intact(req: pb.GenerateReques
     assert len(samples) == n
     for i, t in enumerate(samples):
         frames = ts.encode_add(t.request)
-        back = ts.decode_add(frames)
+        back = ts_engine.decode_add(frames)
         assert back.rid == (req.request_id if n == 1 else f"{req.request_id}-{i}")
         assert back.input_ids == tuple(req.tokenized.input_ids)
         assert back.sampling_params == t.request.sampling_params.derive()
         assert back.return_logprob == req.return_logprob and back.stream == req.stream
         # nothing the engine would refuse without a reason
-        assert ts.admission_error(ts.finalize_add(back), vocab_size=CONFIG.vocab_size,
+        assert checks_tokenspeed.admission_error(ts.finalize_add(back), vocab_size=CONFIG.vocab_size,
                                   enable_output_logprobs=True) is None
 
 

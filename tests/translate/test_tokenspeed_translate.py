@@ -19,6 +19,7 @@ from zmqdispatch.translate.tokenspeed import (
 )
 from zmqdispatch.translate.vllm import pb as vllm_pb
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
 
 from .test_stops import IDS, TOK
@@ -100,7 +101,7 @@ def test_set_fields_travel():
     assert t.request.return_logprob and t.request.stream and t.request.data_parallel_rank is None
     assert t.no_stop_trim and t.return_logprob and not t.top_logprobs
     payload = ts.encode_add(t.request)[0]
-    assert ts.decode_add([payload]).sampling_params.derive() == sp.derive()
+    assert ts_engine.decode_add([payload]).sampling_params.derive() == sp.derive()
     check_tokenspeed_request(t.request, max_model_len=64, vocab_size=1000)
 
 

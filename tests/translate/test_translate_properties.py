@@ -20,6 +20,7 @@ from zmqdispatch.protocol.checks import check_request
 from zmqdispatch.protocol.engine import EngineProtocol
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_request
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 from ..helpers import make_request, out, outputs_frames
 
@@ -105,7 +106,7 @@ def test_translate_encode_decode_keeps_every_set_field(r, eos):
         event(f"rejected: {exc.field}")
         return
     event("accepted")
-    back = wire.decode_request(wire.encode_request(t.request))
+    back = wire_engine.decode_request(wire.encode_request(t.request))
     assert back.request_id == r.request_id
     assert back.prompt_token_ids == t.prompt_token_ids
     assert t.prompt_token_ids == tuple(r.tokenized.input_ids)[-len(t.prompt_token_ids):]

@@ -24,6 +24,7 @@ from zmqdispatch.translate.vllm import (
     translate_request,
 )
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire import vllm_engine as wire_engine
 
 
 def req(**sp) -> pb.GenerateRequest:
@@ -75,7 +76,7 @@ def test_each_sampling_field_lands_on_the_wire(kwargs, attr, value):
     sp = params(req(max_tokens=4, **kwargs))
     assert getattr(sp, attr) == value
     # and it survives the wire: encode, then decode as vLLM would
-    decoded = wire.decode_request(wire.encode_request(tr(req(max_tokens=4, **kwargs)).request))
+    decoded = wire_engine.decode_request(wire.encode_request(tr(req(max_tokens=4, **kwargs)).request))
     assert getattr(decoded.sampling_params, attr) == value
 
 
@@ -144,7 +145,7 @@ def test_structured_outputs(constraint, expected):
     for k, v in expected.items():
         assert getattr(so, k) == v
     assert so.backend == "xgrammar" and so.backend_was_auto
-    decoded = wire.decode_request(wire.encode_request(tr(req(max_tokens=4, **constraint)).request))
+    decoded = wire_engine.decode_request(wire.encode_request(tr(req(max_tokens=4, **constraint)).request))
     assert decoded.sampling_params.structured_outputs == so
 
 
@@ -174,7 +175,8 @@ def test_structured_outputs_equal_what_vllms_front_end_sends(vector, constraint)
 
     cases = json.loads((pathlib.Path(__file__).parents[1] / "wire" / "vectors" / "vllm_0.32.0.json").read_text())
     (case,) = [c for c in cases if c["name"] == vector]
-    theirs = wire.decode_request([bytes.fromhex(h) for h in case["frames_hex"]]).sampling_params.structured_outputs
+    decoded = wire_engine.decode_request([bytes.fromhex(h) for h in case["frames_hex"]])
+    theirs = decoded.sampling_params.structured_outputs
     ours = params(req(max_tokens=4, **constraint)).structured_outputs
     assert ours == theirs
     assert msgpack.packb(ours._to_wire()) == msgpack.packb(theirs._to_wire())

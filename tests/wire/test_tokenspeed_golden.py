@@ -22,8 +22,10 @@ import attrs
 import pytest
 
 from zmqdispatch.errors import RemoteProtocolError
+from zmqdispatch.protocol import checks_tokenspeed
 from zmqdispatch.wire import tokenspeed as ts
-from zmqdispatch.wire import vllm as w
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 
 HERE = pathlib.Path(__file__).resolve().parent
 _LOCAL = HERE / "vectors" / "tokenspeed_0.1.1.json"
@@ -140,7 +142,7 @@ def test_add_encodes_byte_for_byte(name: str) -> None:
 @pytest.mark.parametrize("name", ids("add"))
 def test_add_decodes_like_tokenspeed(name: str) -> None:
     case = BY_NAME[name]
-    req = ts.decode_add(golden(case))
+    req = ts_engine.decode_add(golden(case))
     assert request_view(req) == case["decoded"]
     # re-encoding what we decoded gives the golden bytes back
     assert ts.encode_add(req, elements=case["elements"]) == golden(case)
@@ -149,7 +151,7 @@ def test_add_decodes_like_tokenspeed(name: str) -> None:
 @pytest.mark.parametrize("name", ids("add"))
 def test_add_finalizes_like_tokenspeed(name: str) -> None:
     case = BY_NAME[name]
-    rtype, req = ts.decode_input([ts.RequestType.ADD.frame, *golden(case)])
+    rtype, req = ts_engine.decode_input([ts.RequestType.ADD.frame, *golden(case)])
     assert rtype is ts.RequestType.ADD
     got, want = request_view(req), dict(case["finalized"])
     # The reason text never travels; only whether the request is marked.
@@ -161,22 +163,22 @@ def test_smg_24_element_vector_is_the_full_vector_minus_one_nil() -> None:
     full, smg = golden(BY_NAME["add_full_normalized"])[0], golden(BY_NAME["add_smg_24_elements"])[0]
     assert full[:3] == b"\xdc\x00\x19" and smg[:3] == b"\xdc\x00\x18"
     assert full[3:] == smg[3:] + b"\xc0"
-    assert ts.decode_add([smg]) == ts.decode_add([full])
+    assert ts_engine.decode_add([smg]) == ts_engine.decode_add([full])
 
 
 def test_add_vector_positions() -> None:
-    req = ts.decode_add(golden(BY_NAME["add_full_normalized"]))
+    req = ts_engine.decode_add(golden(BY_NAME["add_full_normalized"]))
     sp = req.sampling_params
     assert sp.top_k == ts.TOP_K_DISABLED == 1 << 30
     assert (sp.seed, sp.stop_token_ids, sp.stop_strs, sp.is_normalized) == (42, (2,), (), True)
     assert (req.return_logprob, req.logprob_start_len, req.stream) == (True, -1, True)
     # 11-element SMG prefix: tag .. stream, nested sampling always 29
     smg = ts.encode_add(req, elements=11)[0]
-    assert smg[0] == 0x9B and ts.decode_add([smg]) == req
+    assert smg[0] == 0x9B and ts_engine.decode_add([smg]) == req
 
 
 def test_greedy_vector_pins_seed_zero() -> None:
-    req = ts.decode_add(golden(BY_NAME["add_greedy_stop_strings"]))
+    req = ts_engine.decode_add(golden(BY_NAME["add_greedy_stop_strings"]))
     sp = req.sampling_params
     assert (sp.temperature, sp.top_k, sp.seed) == (1.0, 1, 0)
     assert sp.stop_strs == ("ab", "abcd") and sp.stop_str_max_len == 4
@@ -189,9 +191,9 @@ def test_greedy_vector_pins_seed_zero() -> None:
 
 
 def test_n2_vector_is_marked_for_a_terminal_abort() -> None:
-    _, req = ts.decode_input([b"\x00", *golden(BY_NAME["add_n2_pd_fields"])])
+    _, req = ts_engine.decode_input([b"\x00", *golden(BY_NAME["add_n2_pd_fields"])])
     assert req.validation_error is not None and "n=2" in req.validation_error
-    assert ts.admission_error(req, vocab_size=100) == req.validation_error
+    assert checks_tokenspeed.admission_error(req, vocab_size=100) == req.validation_error
     assert req.sampling_params.seed == 0xFFFFFFFF & __import__("zlib").crc32(b"req-n2")
 
 
@@ -201,8 +203,8 @@ def test_n2_vector_is_marked_for_a_terminal_abort() -> None:
 def test_abort_vector() -> None:
     case = BY_NAME["abort_r1"]
     assert [ts.encode_abort(["r1"])] == golden(case)
-    assert ts.decode_abort(golden(case)[0]) == ("r1",)
-    assert ts.decode_input([bytes.fromhex(case["type_byte"]), *golden(case)]) == (ts.RequestType.ABORT, ("r1",))
+    assert ts_engine.decode_abort(golden(case)[0]) == ("r1",)
+    assert ts_engine.decode_input([bytes.fromhex(case["type_byte"]), *golden(case)]) == (ts.RequestType.ABORT, ("r1",))
 
 
 # ----------------------------------------------------------------- outputs
@@ -212,7 +214,7 @@ def test_abort_vector() -> None:
 def test_outputs_encode_byte_for_byte(name: str) -> None:
     case = BY_NAME[name]
     batch = batch_from_view(case["decoded"])  # legacy forms: TokenSpeed decoded the tail as zeros
-    assert ts.encode_outputs(batch, elements=case["elements"]) == golden(case)
+    assert ts_engine.encode_outputs(batch, elements=case["elements"]) == golden(case)
 
 
 @pytest.mark.parametrize("name", ids("outputs"))
@@ -264,11 +266,11 @@ def test_corrupted_output_tag_is_refused() -> None:
 
 
 def test_hello_and_ready_vectors() -> None:
-    assert [ts.encode_hello()] == golden(BY_NAME["handshake_hello"])
-    assert [ts.encode_ready()] == golden(BY_NAME["handshake_ready"])
+    assert [ts_engine.encode_hello()] == golden(BY_NAME["handshake_hello"])
+    assert [ts_engine.encode_ready()] == golden(BY_NAME["handshake_ready"])
     for name, status in (("handshake_hello", "HELLO"), ("handshake_ready", "READY")):
-        st = ts.decode_handshake_status(golden(BY_NAME[name])[0])
-        assert st == w.HandshakeStatus(status=status, local=True, headless=True, parallel_config_hash=None)
+        st = handshake.decode_handshake_status(golden(BY_NAME[name])[0])
+        assert st == handshake.HandshakeStatus(status=status, local=True, headless=True, parallel_config_hash=None)
 
 
 def test_ready_response_vector() -> None:
@@ -280,5 +282,6 @@ def test_ready_response_vector() -> None:
     for key, value in view.items():
         if key not in ("prefix_granularity", "multimodal_encoder_dtype"):
             assert getattr(resp, key) == value, key
-    assert [ts.encode_ready_response(resp, multimodal_encoder_dtype=view["multimodal_encoder_dtype"])] == golden(case)
+    encoded = ts_engine.encode_ready_response(resp, multimodal_encoder_dtype=view["multimodal_encoder_dtype"])
+    assert [encoded] == golden(case)
     assert not ts.is_tokenspeed(attrs.evolve(resp, vllm_version="0.32.0"))

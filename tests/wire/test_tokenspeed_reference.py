@@ -43,8 +43,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zmqdispatch.errors import RemoteProtocolError
+from zmqdispatch.protocol import checks_tokenspeed
 from zmqdispatch.wire import tokenspeed as ts
-from zmqdispatch.wire import vllm as w
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 
 from .test_tokenspeed_roundtrip import batches, msgpack_values, requests, sampling_params
 
@@ -358,11 +360,11 @@ def test_tokenspeed_encodes_what_we_encode(tokenspeed: TokenSpeedHelper, req: ts
     theirs = unhex(tokenspeed.call(op="add_encode", req=request_view(req))["frames"])
     if req.sampling_params.stop_token_ids and len(req.sampling_params.stop_token_ids) > 1:
         # a set in TokenSpeed: its bytes carry set-iteration order, which means nothing
-        assert _unordered(ts.decode_add(theirs)) == _unordered(ts.decode_add(ours))
+        assert _unordered(ts_engine.decode_add(theirs)) == _unordered(ts_engine.decode_add(ours))
     else:
         assert theirs == ours
     derived = attrs.evolve(req, sampling_params=req.sampling_params.derive())
-    assert _unordered(ts.decode_add(theirs)) == _unordered(derived)
+    assert _unordered(ts_engine.decode_add(theirs)) == _unordered(derived)
 
 
 @SETTINGS
@@ -375,8 +377,8 @@ def test_tokenspeed_decodes_what_we_encode(
     frames = ts.encode_add(req, elements=elements)
     reply = tokenspeed.call(op="add_decode", frames=hexes(frames))
     assert reply["error"] is None
-    assert reply["decoded"] == request_view(ts.decode_add(frames))
-    _, finalized = ts.decode_input([b"\x00", *frames])
+    assert reply["decoded"] == request_view(ts_engine.decode_add(frames))
+    _, finalized = ts_engine.decode_input([b"\x00", *frames])
     assert reply["finalize_error"] is None
     assert _comparable(reply["finalized"]) == _comparable(request_view(finalized))
     assert (reply["finalized"]["validation_error"] is None) == (finalized.validation_error is None)
@@ -404,7 +406,7 @@ def test_admission_matches_tokenspeed(
     top_logprobs_num: int,
     input_ids: list[int],
 ) -> None:
-    """Whether a request ends in a terminal abort: their ingress vs :func:`ts.admission_error`."""
+    """Whether a request ends in a terminal abort: their ingress vs :func:`checks_tokenspeed.admission_error`."""
     req = ts.TokenizedGenerateReqInput(
         rid="r",
         input_ids=input_ids,
@@ -420,8 +422,8 @@ def test_admission_matches_tokenspeed(
     }
     frames = ts.encode_add(req)
     reply = tokenspeed.call(op="add_decode", frames=hexes(frames), admission=flags)
-    _, finalized = ts.decode_input([b"\x00", *frames])
-    ours = ts.admission_error(finalized, **flags)
+    _, finalized = ts_engine.decode_input([b"\x00", *frames])
+    ours = checks_tokenspeed.admission_error(finalized, **flags)
     assert (reply["admission"] is None) == (ours is None), (reply["admission"], ours)
 
 
@@ -448,7 +450,7 @@ def test_add_acceptance_matches_tokenspeed(tokenspeed: TokenSpeedHelper, payload
     reply = tokenspeed.call(op="add_decode", frames=[payload.hex()])
     theirs_ok = reply["error"] is None and reply["finalize_error"] is None
     try:
-        _, req = ts.decode_input([b"\x00", payload])
+        _, req = ts_engine.decode_input([b"\x00", payload])
     except RemoteProtocolError as exc:
         assert not theirs_ok, f"we refuse what TokenSpeed accepts: {exc}"
         return
@@ -464,7 +466,7 @@ def test_add_acceptance_matches_tokenspeed(tokenspeed: TokenSpeedHelper, payload
 def test_verify_matches_tokenspeed(tokenspeed: TokenSpeedHelper, sp: ts.TokenSpeedSamplingParams, vocab: int) -> None:
     view = sampling_view(sp)
     reply = tokenspeed.call(op="verify", sampling_params=view, vocab_size=vocab)
-    ours = sp.validation_error(vocab)
+    ours = checks_tokenspeed.sampling_params_error(sp, vocab)
     assert (reply["error"] is None) == (ours is None), (reply["error"], ours)
 
 
@@ -474,7 +476,7 @@ def test_verify_matches_tokenspeed(tokenspeed: TokenSpeedHelper, sp: ts.TokenSpe
 @SETTINGS
 @given(batches())
 def test_outputs_both_ways(tokenspeed: TokenSpeedHelper, batch: ts.TokenSpeedBatch) -> None:
-    ours = ts.encode_outputs(batch)
+    ours = ts_engine.encode_outputs(batch)
     theirs = unhex(tokenspeed.call(op="out_encode", batch=batch_view(batch))["frames"])
     assert theirs == ours
     assert ts.decode_outputs(theirs) == batch
@@ -488,13 +490,13 @@ def test_legacy_outputs_decode_in_tokenspeed(
     tokenspeed: TokenSpeedHelper, case: tuple[int, ts.TokenSpeedBatch]
 ) -> None:
     elements, batch = case
-    reply = tokenspeed.call(op="out_decode", frames=hexes(ts.encode_outputs(batch, elements=elements)))
+    reply = tokenspeed.call(op="out_decode", frames=hexes(ts_engine.encode_outputs(batch, elements=elements)))
     assert reply["error"] is None and reply["decoded"] == batch_view(batch)
 
 
 @st.composite
 def mutated_batches(draw: st.DrawFn) -> bytes:
-    raw = msgpack.unpackb(ts.encode_outputs(draw(batches()))[0])
+    raw = msgpack.unpackb(ts_engine.encode_outputs(draw(batches()))[0])
     i = draw(st.integers(0, len(raw)))
     value = draw(msgpack_values)
     raw = raw[:i] + [value] + raw[i + 1 :] if draw(st.booleans()) else raw[:i]
@@ -541,7 +543,7 @@ def test_ready_response_and_init(tokenspeed: TokenSpeedHelper) -> None:
     payload = unhex(tokenspeed.call(op="ready_response", fields=fields)["frames"])[0]
     resp = ts.decode_ready_response(payload)
     assert ts.is_tokenspeed(resp) and resp.block_size == 32
-    assert ts.encode_ready_response(resp, multimodal_encoder_dtype="bfloat16") == payload
-    init = w.encode_init(["ipc:///tmp/x-in.sock"], ["ipc:///tmp/x-out.sock"])
+    assert ts_engine.encode_ready_response(resp, multimodal_encoder_dtype="bfloat16") == payload
+    init = handshake.encode_init(["ipc:///tmp/x-in.sock"], ["ipc:///tmp/x-out.sock"])
     reply = tokenspeed.call(op="init_decode", payload=init.hex())
     assert reply == {"error": None, "inputs": ["ipc:///tmp/x-in.sock"], "outputs": ["ipc:///tmp/x-out.sock"]}

@@ -20,7 +20,10 @@ from hypothesis import strategies as st
 
 from zmqdispatch import limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
+from zmqdispatch.protocol import checks_tokenspeed
 from zmqdispatch.wire import tokenspeed as ts
+from zmqdispatch.wire import tokenspeed_engine as ts_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 
 SETTINGS = settings(deadline=None, max_examples=100, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -169,7 +172,7 @@ def raw_add(req: ts.TokenizedGenerateReqInput) -> list:
 def test_add_roundtrip(req: ts.TokenizedGenerateReqInput) -> None:
     frames = ts.encode_add(req)
     assert len(frames) == 1
-    assert ts.decode_add(frames) == expected_decode(req)
+    assert ts_engine.decode_add(frames) == expected_decode(req)
 
 
 @SETTINGS
@@ -208,7 +211,7 @@ def test_add_prefix_encoding(req: ts.TokenizedGenerateReqInput, elements: int) -
     short = attrs.evolve(req, **defaults)
     frames = ts.encode_add(short, elements=elements)
     assert len(msgpack.unpackb(frames[0])) == elements
-    assert ts.decode_add(frames) == expected_decode(short)
+    assert ts_engine.decode_add(frames) == expected_decode(short)
 
 
 def test_add_prefix_refuses_to_drop_a_set_field() -> None:
@@ -228,7 +231,7 @@ def test_add_extra_trailing_elements_are_ignored(
 ) -> None:
     raw = raw_add(req)
     raw[5] = raw[5] + extra_sp
-    assert ts.decode_add([msgpack.packb(raw + extra)]) == expected_decode(req)
+    assert ts_engine.decode_add([msgpack.packb(raw + extra)]) == expected_decode(req)
 
 
 @SETTINGS
@@ -236,7 +239,7 @@ def test_add_extra_trailing_elements_are_ignored(
 def test_add_truncated_arrays_take_defaults(req: ts.TokenizedGenerateReqInput, keep: int, keep_sp: int) -> None:
     raw = raw_add(req)
     raw[5] = raw[5][:keep_sp]
-    got = ts.decode_add([msgpack.packb(raw[:keep])])
+    got = ts_engine.decode_add([msgpack.packb(raw[:keep])])
     names = [f.name for f in attrs.fields(ts.TokenizedGenerateReqInput)]
     sp_names = [f.name for f in attrs.fields(ts.TokenSpeedSamplingParams)]
     want_sp = ts.TokenSpeedSamplingParams(**{k: getattr(req.sampling_params, k) for k in sp_names[:keep_sp]})
@@ -248,14 +251,14 @@ def test_add_truncated_arrays_take_defaults(req: ts.TokenizedGenerateReqInput, k
 
 def test_minimum_add_and_defaults() -> None:
     # The shortest payload TokenSpeed takes: tag .. sampling_params (even an empty array).
-    req = ts.decode_add([msgpack.packb([ts.REQUEST_TAG, "r", None, None, None, []])])
+    req = ts_engine.decode_add([msgpack.packb([ts.REQUEST_TAG, "r", None, None, None, []])])
     assert req == ts.TokenizedGenerateReqInput(rid="r", sampling_params=ts.TokenSpeedSamplingParams().derive())
     sp = req.sampling_params
     assert (sp.top_k, sp.temperature, sp.n, sp.is_normalized, sp.stop_strs) == (ts.TOP_K_DISABLED, 1.0, 1, False, None)
     assert (req.logprob_start_len, req.top_logprobs_num, req.created_time) == (-1, 0, 0.0)
     for short in ([ts.REQUEST_TAG, "r", None, None, [1]], [ts.REQUEST_TAG], []):
         with pytest.raises(RemoteProtocolError, match=r"missing positional field|tagged array"):
-            ts.decode_add([msgpack.packb(short)])
+            ts_engine.decode_add([msgpack.packb(short)])
 
 
 # ----------------------------------------------------------------- TokenSpeed's rules
@@ -318,7 +321,7 @@ def test_derivation_rules() -> None:
     ],
 )
 def test_verify_rules(changes: dict, fragment: str | None) -> None:
-    err = ts.TokenSpeedSamplingParams(**changes).validation_error(vocab_size=100)
+    err = checks_tokenspeed.sampling_params_error(ts.TokenSpeedSamplingParams(**changes), vocab_size=100)
     if fragment is None:
         assert err is None
     else:
@@ -348,8 +351,8 @@ def test_verify_rules(changes: dict, fragment: str | None) -> None:
     ],
 )
 def test_admission_rules(changes: dict, kwargs: dict, fragment: str | None) -> None:
-    _, req = ts.decode_input([b"\x00", *ts.encode_add(base_add(**changes))])
-    err = ts.admission_error(req, vocab_size=100, **kwargs)
+    _, req = ts_engine.decode_input([b"\x00", *ts.encode_add(base_add(**changes))])
+    err = checks_tokenspeed.admission_error(req, vocab_size=100, **kwargs)
     if fragment is None:
         assert err is None
     else:
@@ -358,7 +361,7 @@ def test_admission_rules(changes: dict, kwargs: dict, fragment: str | None) -> N
 
 def test_finalize_mirrors_the_engine() -> None:
     sp = ts.TokenSpeedSamplingParams(stop=["ab", "c"], temperature=0.5)
-    req = ts.finalize_add(ts.decode_add(ts.encode_add(base_add(sampling_params=sp))))
+    req = ts.finalize_add(ts_engine.decode_add(ts.encode_add(base_add(sampling_params=sp))))
     fsp = req.sampling_params
     assert fsp.is_normalized and fsp.seed == zlib.crc32(b"r1") and fsp.stop_strs == ("ab", "c")
     assert fsp.stop_str_max_len == 2 and fsp.top_k == ts.TOP_K_DISABLED
@@ -373,7 +376,7 @@ def test_finalize_mirrors_the_engine() -> None:
 @SETTINGS
 @given(batches())
 def test_outputs_roundtrip(batch: ts.TokenSpeedBatch) -> None:
-    frames = ts.encode_outputs(batch)
+    frames = ts_engine.encode_outputs(batch)
     assert len(frames) == 1
     got = ts.decode_outputs(frames)
     assert got == batch and got.wire_elements == 14
@@ -386,7 +389,7 @@ def test_outputs_roundtrip(batch: ts.TokenSpeedBatch) -> None:
 @given(st.sampled_from([9, 10]).flatmap(lambda n: st.tuples(st.just(n), batches(elements=n))))
 def test_outputs_legacy_roundtrip(case: tuple[int, ts.TokenSpeedBatch]) -> None:
     elements, batch = case
-    frames = ts.encode_outputs(batch, elements=elements)
+    frames = ts_engine.encode_outputs(batch, elements=elements)
     assert len(msgpack.unpackb(frames[0])) == elements
     got = ts.decode_outputs(frames)
     assert got == batch and got.wire_elements == elements and got.load is None
@@ -395,7 +398,7 @@ def test_outputs_legacy_roundtrip(case: tuple[int, ts.TokenSpeedBatch]) -> None:
 @SETTINGS
 @given(batches(), st.integers(ts.BATCH_MIN_ELEMENTS, ts.BATCH_ELEMENTS))
 def test_outputs_missing_tail_defaults_to_zero(batch: ts.TokenSpeedBatch, keep: int) -> None:
-    raw = msgpack.unpackb(ts.encode_outputs(batch)[0])
+    raw = msgpack.unpackb(ts_engine.encode_outputs(batch)[0])
     got = ts.decode_outputs([msgpack.packb(raw[:keep])])
     names = ("engine_index", "num_running", "num_waiting", "kv_active_pages", "kv_total_pages")
     zeros = {name: 0 for name in names[keep - 9 :]}
@@ -407,7 +410,7 @@ def test_outputs_missing_tail_defaults_to_zero(batch: ts.TokenSpeedBatch, keep: 
 def test_outputs_extra_trailing_elements_and_aux_frames_are_ignored(
     batch: ts.TokenSpeedBatch, extra: list, aux: list
 ) -> None:
-    raw = msgpack.unpackb(ts.encode_outputs(batch)[0])
+    raw = msgpack.unpackb(ts_engine.encode_outputs(batch)[0])
     got = ts.decode_outputs([msgpack.packb(raw + extra), *aux])
     assert got == batch and got.wire_elements == 14 + len(extra)
 
@@ -507,7 +510,7 @@ def test_limits_are_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(limits, "MAX_TOKEN_ID", 2**32 - 1, raising=False)
     payload = msgpack.packb(raw)
     monkeypatch.setattr(limits, "MAX_FRAME_BYTES", len(payload) - 1)
-    for decode in (ts.decode_outputs, ts.decode_add):
+    for decode in (ts.decode_outputs, ts_engine.decode_add):
         with pytest.raises(RemoteProtocolError, match="MAX_FRAME_BYTES"):
             decode([payload])
     with pytest.raises(RemoteProtocolError, match="MAX_FRAME_BYTES"):
@@ -520,15 +523,15 @@ def test_limits_are_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
 def _all_decoders(payload: bytes) -> None:
     for call in (
         lambda: ts.decode_outputs([payload]),
-        lambda: ts.decode_add([payload]),
-        lambda: ts.decode_abort(payload),
-        lambda: ts.decode_input([b"\x00", payload]),
-        lambda: ts.decode_input([b"\x01", payload]),
-        lambda: ts.decode_input([payload, payload]),
+        lambda: ts_engine.decode_add([payload]),
+        lambda: ts_engine.decode_abort(payload),
+        lambda: ts_engine.decode_input([b"\x00", payload]),
+        lambda: ts_engine.decode_input([b"\x01", payload]),
+        lambda: ts_engine.decode_input([payload, payload]),
         lambda: ts.decode_ready_response(payload),
-        lambda: ts.decode_handshake_status(payload),
-        lambda: ts.decode_init(payload),
-        lambda: ts.parse_request_type(payload),
+        lambda: handshake.decode_handshake_status(payload),
+        lambda: handshake.decode_init(payload),
+        lambda: ts_engine.parse_request_type(payload),
     ):
         try:
             call()
@@ -562,7 +565,7 @@ def mutated(draw: st.DrawFn) -> object:
             raw[5][draw(st.integers(0, 28))] = draw(msgpack_values)
             return raw
     else:
-        raw = msgpack.unpackb(ts.encode_outputs(draw(batches()))[0])
+        raw = msgpack.unpackb(ts_engine.encode_outputs(draw(batches()))[0])
     i = draw(st.integers(0, len(raw)))
     value = draw(msgpack_values)
     return raw[:i] + [value] + raw[i + 1 :] if draw(st.booleans()) else raw[:i]
@@ -605,7 +608,7 @@ def test_pickle_and_unknown_ext_types_are_refused(code: int) -> None:
     add = raw_add(base_add())
     add[22] = [ext]
     with pytest.raises(RemoteProtocolError, match="ext type"):
-        ts.decode_add([msgpack.packb(add)])
+        ts_engine.decode_add([msgpack.packb(add)])
 
 
 @pytest.mark.parametrize(
@@ -631,7 +634,7 @@ def test_malformed_adds_name_the_field(pos: int, value: object, field: str) -> N
     raw = raw_add(base_add())
     raw[pos] = value
     with pytest.raises(RemoteProtocolError, match=field):
-        ts.decode_add([msgpack.packb(raw, use_bin_type=True)])
+        ts_engine.decode_add([msgpack.packb(raw, use_bin_type=True)])
 
 
 @pytest.mark.parametrize(
@@ -653,7 +656,7 @@ def test_malformed_sampling_params_name_the_field(pos: int, value: object, field
     raw = raw_add(base_add())
     raw[5][pos] = value
     with pytest.raises(RemoteProtocolError, match=f"sampling_params.{field}"):
-        ts.decode_add([msgpack.packb(raw, use_bin_type=True)])
+        ts_engine.decode_add([msgpack.packb(raw, use_bin_type=True)])
 
 
 def test_decoder_accepts_what_msgspec_accepts() -> None:
@@ -663,14 +666,14 @@ def test_decoder_accepts_what_msgspec_accepts() -> None:
     raw[5][2] = [4, 4, 2]  # duplicates collapse
     raw[15] = 5  # int created_time
     raw[12] = ["s"]  # short session_params
-    req = ts.decode_add([msgpack.packb(raw)])
+    req = ts_engine.decode_add([msgpack.packb(raw)])
     sp = req.sampling_params
     assert sp.temperature == 1.0 and type(sp.temperature) is float
     assert sp.stop == sp.stop_strs == "stop-here" and sp.stop_token_ids == (4, 2)
     assert req.created_time == 5.0 and req.session_params == ts.SessionParams(id="s")
     # float32 on the wire (SMG's f32 widened) is fine
     raw = raw_add(base_add(sampling_params=ts.TokenSpeedSamplingParams(temperature=0.7)))
-    req = ts.decode_add([msgpack.packb(raw, use_single_float=True)])
+    req = ts_engine.decode_add([msgpack.packb(raw, use_single_float=True)])
     assert req.sampling_params.temperature == pytest.approx(0.7, abs=1e-7)
 
 
@@ -679,19 +682,19 @@ def test_decoder_accepts_what_msgspec_accepts() -> None:
 
 def test_request_type_frames() -> None:
     assert ts.RequestType.ADD.frame == b"\x00" and ts.RequestType.ABORT.frame == b"\x01"
-    assert ts.parse_request_type(b"\x01") is ts.RequestType.ABORT
+    assert ts_engine.parse_request_type(b"\x01") is ts.RequestType.ABORT
     for bad in (b"", b"\x02", b"\x03", b"\x00\x00"):
         with pytest.raises(RemoteProtocolError):
-            ts.parse_request_type(bad)
+            ts_engine.parse_request_type(bad)
     with pytest.raises(RemoteProtocolError, match=">= 2 frames"):
-        ts.decode_input([b"\x00"])
+        ts_engine.decode_input([b"\x00"])
 
 
 @SETTINGS
 @given(st.lists(text, max_size=5))
 def test_abort_roundtrip(ids: list[str]) -> None:
-    assert ts.decode_abort(ts.encode_abort(ids)) == tuple(ids)
-    assert ts.decode_input([b"\x01", ts.encode_abort(ids)]) == (ts.RequestType.ABORT, tuple(ids))
+    assert ts_engine.decode_abort(ts.encode_abort(ids)) == tuple(ids)
+    assert ts_engine.decode_input([b"\x01", ts.encode_abort(ids)]) == (ts.RequestType.ABORT, tuple(ids))
 
 
 def test_encoders_refuse_what_the_wire_cannot_carry() -> None:
@@ -726,21 +729,21 @@ def test_encoders_refuse_what_the_wire_cannot_carry() -> None:
     ]
     for batch in bad_batches:
         with pytest.raises(LocalProtocolError):
-            ts.encode_outputs(batch)
+            ts_engine.encode_outputs(batch)
     with pytest.raises(LocalProtocolError, match="does not carry"):
-        ts.encode_outputs(good, elements=10)  # load would be lost
+        ts_engine.encode_outputs(good, elements=10)  # load would be lost
     for bad in (8, 15):
         with pytest.raises(LocalProtocolError):
-            ts.encode_outputs(good, elements=bad)
+            ts_engine.encode_outputs(good, elements=bad)
 
 
 def test_ready_response_encoder_checks() -> None:
-    resp = ts.EngineCoreReadyResponse(max_model_len=4096, dtype="bfloat16", vllm_version="tokenspeed-0.1.1",
+    resp = handshake.EngineCoreReadyResponse(max_model_len=4096, dtype="bfloat16", vllm_version="tokenspeed-0.1.1",
                                       block_size=16)
-    raw = msgpack.unpackb(ts.encode_ready_response(resp))
+    raw = msgpack.unpackb(ts_engine.encode_ready_response(resp))
     assert list(raw)[:3] == ["max_model_len", "num_gpu_blocks", "prefix_granularity"] and len(raw) == 19
     assert "block_size" not in raw and raw["prefix_granularity"] == 16
-    assert ts.decode_ready_response(ts.encode_ready_response(resp)) == resp
+    assert ts.decode_ready_response(ts_engine.encode_ready_response(resp)) == resp
     for bad in (attrs.evolve(resp, dtype="float8"), attrs.evolve(resp, max_num_batched_tokens=-1)):
         with pytest.raises(LocalProtocolError):
-            ts.encode_ready_response(bad)
+            ts_engine.encode_ready_response(bad)

@@ -22,6 +22,8 @@ import pytest
 
 from zmqdispatch.errors import RemoteProtocolError
 from zmqdispatch.wire import vllm as w
+from zmqdispatch.wire import vllm_engine as w_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 from zmqdispatch.wire.tensors import Tensor, decode_tensor
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -194,7 +196,7 @@ def logprobs_from_view(v: dict[str, Any], ranks_key: str) -> w.LogprobsLists:
     return w.LogprobsLists(ids["data"], lps["data"], ranks["data"], v["cu_num_generated_tokens"])
 
 
-def output_from_view(v: dict[str, Any]) -> w.EngineCoreOutput:
+def output_from_view(v: dict[str, Any]) -> w_engine.EngineCoreOutput:
     kw = dict(v)
     if v["new_logprobs"] is not None:
         kw["new_logprobs"] = logprobs_from_view(v["new_logprobs"], "sampled_token_ranks")
@@ -204,10 +206,10 @@ def output_from_view(v: dict[str, Any]) -> w.EngineCoreOutput:
         if v[name] is not None:
             kw[name] = tensor_from_view(v[name])
     if v["events"] is not None:
-        kw["events"] = [w.EngineCoreEvent(**e) for e in v["events"]]
+        kw["events"] = [w_engine.EngineCoreEvent(**e) for e in v["events"]]
     if v["prefill_stats"] is not None:
-        kw["prefill_stats"] = w.PrefillStats(**v["prefill_stats"])
-    return w.EngineCoreOutput(**kw)
+        kw["prefill_stats"] = w_engine.PrefillStats(**v["prefill_stats"])
+    return w_engine.EngineCoreOutput(**kw)
 
 
 def outputs_from_view(v: dict[str, Any]) -> list[bytes]:
@@ -216,7 +218,7 @@ def outputs_from_view(v: dict[str, Any]) -> list[bytes]:
     if u is not None:
         result = None if u["result"] is None else w.UtilityResult(u["result"]["result"])
         utility = w.UtilityOutput(call_id=u["call_id"], failure_message=u["failure_message"], result=result)
-    return w.encode_outputs(
+    return w_engine.encode_outputs(
         v["engine_index"],
         [output_from_view(o) for o in v["outputs"]],
         timestamp=v["timestamp"],
@@ -245,12 +247,12 @@ def encode_case(case: dict[str, Any]) -> list[bytes]:
     if case["kind"] in ("outputs", "utility"):
         return outputs_from_view(v)
     if name.startswith(("handshake_hello", "handshake_ready_headless")):
-        enc = w.encode_hello if v["status"] == "HELLO" else w.encode_ready
+        enc = handshake.encode_hello if v["status"] == "HELLO" else handshake.encode_ready
         return [enc(v["local"], v["headless"])]
     if name == "handshake_init_reply":
-        return [w.encode_init(**v["addresses"], parallel_config=v["parallel_config"])]
+        return [handshake.encode_init(**v["addresses"], parallel_config=v["parallel_config"])]
     if name == "handshake_ready_response":
-        return [w.encode_ready_response(w.EngineCoreReadyResponse(**v))]
+        return [handshake.encode_ready_response(handshake.EngineCoreReadyResponse(**v))]
     raise AssertionError(f"unhandled case {name}")
 
 
@@ -258,13 +260,13 @@ def decode_case(case: dict[str, Any], frames: list[bytes]) -> Any:
     """Our decoder's view of the golden frames, in the vectors' conventions."""
     name, tb = case["name"], case["type_byte"]
     if tb == "00":
-        return request_view(w.decode_request(frames))
+        return request_view(w_engine.decode_request(frames))
     if tb == "01":
-        return list(w.decode_abort(frames[0]))
+        return list(w_engine.decode_abort(frames[0]))
     if tb == "02":
-        return list(w.decode_start_dp_wave(frames[0]))
+        return list(w_engine.decode_start_dp_wave(frames[0]))
     if tb == "03":
-        c = w.decode_utility_call(frames[0])
+        c = w_engine.decode_utility_call(frames[0])
         return [c.client_index, c.call_id, c.method, plain(c.args)]
     if name == "outputs_engine_core_dead":
         assert w.is_dead_sentinel(frames)
@@ -273,16 +275,16 @@ def decode_case(case: dict[str, Any], frames: list[bytes]) -> Any:
         assert not w.is_dead_sentinel(frames)
         return outputs_view(w.decode_outputs(frames))
     if name.startswith(("handshake_hello", "handshake_ready_headless")):
-        s = w.decode_handshake_status(frames[0])
+        s = handshake.decode_handshake_status(frames[0])
         assert s.parallel_config_hash is None
         return {"status": s.status, "local": s.local, "headless": s.headless}
     if name == "handshake_init_reply":
-        i = w.decode_init(frames[0])
+        i = handshake.decode_init(frames[0])
         addresses = {k: plain(getattr(i, k)) for k in ("inputs", "outputs", "coordinator_input",
                                                      "coordinator_output", "frontend_stats_publish_address")}
         return {"addresses": addresses, "parallel_config": i.parallel_config}
     if name == "handshake_ready_response":
-        return attrs.asdict(w.decode_ready_response(frames[0]))
+        return attrs.asdict(handshake.decode_ready_response(frames[0]))
     raise AssertionError(f"unhandled case {name}")
 
 
@@ -290,19 +292,19 @@ def reencode_case(case: dict[str, Any], frames: list[bytes]) -> list[bytes] | No
     """Decode the golden frames into our typed objects and encode them again."""
     tb = case["type_byte"]
     if tb == "00":
-        return w.encode_request(w.decode_request(frames))
+        return w.encode_request(w_engine.decode_request(frames))
     if tb == "01":
-        return [w.encode_abort(w.decode_abort(frames[0]))]
+        return [w.encode_abort(w_engine.decode_abort(frames[0]))]
     if tb == "02":
-        return [w.encode_start_dp_wave(*w.decode_start_dp_wave(frames[0]))]
+        return [w.encode_start_dp_wave(*w_engine.decode_start_dp_wave(frames[0]))]
     if tb == "03":
-        c = w.decode_utility_call(frames[0])
+        c = w_engine.decode_utility_call(frames[0])
         return [w.encode_utility_call(c.client_index, c.call_id, c.method, c.args)]
     if case["direction"] == "from_engine" and case["kind"] in ("outputs", "utility") and not w.is_dead_sentinel(frames):
         o = w.decode_outputs(frames)
-        return w.encode_outputs(
+        return w_engine.encode_outputs(
             o.engine_index,
-            [w.EngineCoreOutput.from_row(r, frames) for r in o.outputs],
+            [w_engine.EngineCoreOutput.from_row(r, frames) for r in o.outputs],
             timestamp=o.timestamp,
             scheduler_stats=o.scheduler_stats,
             utility_output=o.utility_output,
@@ -313,14 +315,14 @@ def reencode_case(case: dict[str, Any], frames: list[bytes]) -> list[bytes] | No
         )
     name = case["name"]
     if name == "handshake_ready_response":
-        return [w.encode_ready_response(w.decode_ready_response(frames[0]))]
+        return [handshake.encode_ready_response(handshake.decode_ready_response(frames[0]))]
     if name.startswith(("handshake_hello", "handshake_ready_headless")):
-        st = w.decode_handshake_status(frames[0])
-        enc = w.encode_hello if st.status == "HELLO" else w.encode_ready
+        st = handshake.decode_handshake_status(frames[0])
+        enc = handshake.encode_hello if st.status == "HELLO" else handshake.encode_ready
         return [enc(st.local, st.headless)]
     if name == "handshake_init_reply":
-        i = w.decode_init(frames[0])
-        return [w.encode_init(i.inputs, i.outputs, i.coordinator_input, i.coordinator_output,
+        i = handshake.decode_init(frames[0])
+        return [handshake.encode_init(i.inputs, i.outputs, i.coordinator_input, i.coordinator_output,
                               i.frontend_stats_publish_address, i.parallel_config)]
     return None
 

@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from zmqdispatch import limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
 from zmqdispatch.wire import vllm as w
+from zmqdispatch.wire import vllm_engine as w_engine
+from zmqdispatch.wire import vllm_handshake as handshake
 from zmqdispatch.wire.tensors import Tensor, decode_tensor, encode_tensor, ext_hook
 
 SETTINGS = settings(
@@ -173,13 +175,13 @@ def logprobs_lists(draw: st.DrawFn) -> w.LogprobsLists:
     return w.LogprobsLists(ids, lps, ranks)
 
 
-events = st.builds(w.EngineCoreEvent, type=st.sampled_from(list(w.EventType)), timestamp=floats)
-prefill = st.builds(w.PrefillStats, **{f.name: small for f in attrs.fields(w.PrefillStats)})
+events = st.builds(w_engine.EngineCoreEvent, type=st.sampled_from(list(w.EventType)), timestamp=floats)
+prefill = st.builds(w_engine.PrefillStats, **{f.name: small for f in attrs.fields(w_engine.PrefillStats)})
 
 
 def outputs(with_error: bool) -> st.SearchStrategy:
     return st.builds(
-        w.EngineCoreOutput,
+        w_engine.EngineCoreOutput,
         request_id=text,
         new_token_ids=st.lists(token, max_size=5),
         new_logprobs=opt(logprobs_lists()),
@@ -196,14 +198,14 @@ def outputs(with_error: bool) -> st.SearchStrategy:
         num_nans_in_logits=small,
         mm_cache_miss_hashes=opt(st.lists(text, max_size=2)),
         prompt_token_id_logprobs=opt(tensors()),
-        error=opt(st.builds(w.OutputError, code=text, message=text, retryable=st.booleans()))
+        error=opt(st.builds(w_engine.OutputError, code=text, message=text, retryable=st.booleans()))
         if with_error
         else st.none(),
     )
 
 
 @st.composite
-def output_messages(draw: st.DrawFn, with_error: bool = False) -> tuple[dict, list[w.EngineCoreOutput]]:
+def output_messages(draw: st.DrawFn, with_error: bool = False) -> tuple[dict, list[w_engine.EngineCoreOutput]]:
     outs = draw(st.lists(outputs(with_error), max_size=4))
     env = dict(
         engine_index=draw(small),
@@ -227,13 +229,13 @@ def output_messages(draw: st.DrawFn, with_error: bool = False) -> tuple[dict, li
     return env, outs
 
 
-def encode_message(env: dict, outs: list[w.EngineCoreOutput], version: str = "0.32.0") -> list[bytes]:
-    return w.encode_outputs(env["engine_index"], outs, vllm_version=version, **{
+def encode_message(env: dict, outs: list[w_engine.EngineCoreOutput], version: str = "0.32.0") -> list[bytes]:
+    return w_engine.encode_outputs(env["engine_index"], outs, vllm_version=version, **{
         k: v for k, v in env.items() if k != "engine_index"
     })
 
 
-def check_message(decoded: w.EngineCoreOutputs, env: dict, outs: list[w.EngineCoreOutput]) -> None:
+def check_message(decoded: w.EngineCoreOutputs, env: dict, outs: list[w_engine.EngineCoreOutput]) -> None:
     assert decoded.engine_index == env["engine_index"]
     for key in ("timestamp", "scheduler_stats", "utility_output", "finished_requests",
                 "wave_complete", "start_wave", "weight_version"):
@@ -243,7 +245,7 @@ def check_message(decoded: w.EngineCoreOutputs, env: dict, outs: list[w.EngineCo
         assert len(row) >= w.ROW_LEN
         assert row[w.O_REQUEST_ID] == out.request_id
         assert row[w.O_NEW_TOKEN_IDS] == tuple(out.new_token_ids)
-        assert w.EngineCoreOutput.from_row(row, decoded.frames) == out
+        assert w_engine.EngineCoreOutput.from_row(row, decoded.frames) == out
 
 
 # ----------------------------------------------------------------- round trips
@@ -254,9 +256,9 @@ def check_message(decoded: w.EngineCoreOutputs, env: dict, outs: list[w.EngineCo
 def test_request_roundtrip(req: w.EngineCoreRequest) -> None:
     frames = w.encode_request(req)
     assert frames[0][:3] == b"\xdc\x00\x16"  # all 22 fields, always
-    assert w.decode_request(frames) == req
+    assert w_engine.decode_request(frames) == req
     # Encoding is a function of the value: the decoded request re-encodes identically.
-    assert w.encode_request(w.decode_request(frames)) == frames
+    assert w.encode_request(w_engine.decode_request(frames)) == frames
 
 
 @SETTINGS
@@ -273,7 +275,7 @@ def test_sampling_params_floats_are_float64(sp: w.SamplingParams) -> None:
 
 @SETTINGS
 @given(output_messages())
-def test_outputs_roundtrip(message: tuple[dict, list[w.EngineCoreOutput]]) -> None:
+def test_outputs_roundtrip(message: tuple[dict, list[w_engine.EngineCoreOutput]]) -> None:
     env, outs = message
     frames = encode_message(env, outs)
     decoded = w.decode_outputs(frames)
@@ -284,7 +286,7 @@ def test_outputs_roundtrip(message: tuple[dict, list[w.EngineCoreOutput]]) -> No
 
 @SETTINGS
 @given(output_messages(with_error=True))
-def test_outputs_roundtrip_vllm_033_rows(message: tuple[dict, list[w.EngineCoreOutput]]) -> None:
+def test_outputs_roundtrip_vllm_033_rows(message: tuple[dict, list[w_engine.EngineCoreOutput]]) -> None:
     env, outs = message
     frames = encode_message(env, outs, "0.33.0")
     decoded = w.decode_outputs(frames)
@@ -299,10 +301,10 @@ def test_outputs_roundtrip_vllm_033_rows(message: tuple[dict, list[w.EngineCoreO
 def test_logprobs_inline_and_aux_frames() -> None:
     small_lp = w.LogprobsLists([[5]], [[-0.5]], [1])
     big_lp = w.LogprobsLists([list(range(64))], [[-1.0] * 64], [3])  # 256 B each: aux
-    frames = w.encode_outputs(
+    frames = w_engine.encode_outputs(
         0,
-        [w.EngineCoreOutput(request_id="a", new_token_ids=[5], new_logprobs=small_lp),
-         w.EngineCoreOutput(request_id="b", new_token_ids=[0], new_logprobs=big_lp,
+        [w_engine.EngineCoreOutput(request_id="a", new_token_ids=[5], new_logprobs=small_lp),
+         w_engine.EngineCoreOutput(request_id="b", new_token_ids=[0], new_logprobs=big_lp,
                             new_prompt_logprobs_tensors=big_lp)],
         timestamp=1.0,
     )
@@ -362,7 +364,7 @@ def test_tensor_dtypes_tolist() -> None:
 @SETTINGS
 @given(output_messages(), st.integers(2, 18), st.integers(2, 9))
 def test_outputs_missing_trailing_elements_take_defaults(
-    message: tuple[dict, list[w.EngineCoreOutput]], row_len: int, env_len: int
+    message: tuple[dict, list[w_engine.EngineCoreOutput]], row_len: int, env_len: int
 ) -> None:
     env, outs = message
     frames = encode_message(env, outs)
@@ -386,7 +388,7 @@ def test_outputs_missing_trailing_elements_take_defaults(
 @SETTINGS
 @given(output_messages(with_error=True), st.lists(json_values, min_size=1, max_size=3))
 def test_outputs_extra_trailing_elements_are_ignored(
-    message: tuple[dict, list[w.EngineCoreOutput]], extra: list
+    message: tuple[dict, list[w_engine.EngineCoreOutput]], extra: list
 ) -> None:
     env, outs = message
     frames = encode_message(env, outs, "0.33.0")
@@ -402,14 +404,14 @@ def test_outputs_extra_trailing_elements_are_ignored(
 def test_request_truncation_and_extra_elements(req: w.EngineCoreRequest, keep: int, extra: list) -> None:
     frames = w.encode_request(req)
     arr = msgpack.unpackb(frames[0], strict_map_key=False)
-    truncated = w.decode_request([msgpack.packb(arr[:keep], use_bin_type=True), *frames[1:]])
+    truncated = w_engine.decode_request([msgpack.packb(arr[:keep], use_bin_type=True), *frames[1:]])
     names = [f.name for f in attrs.fields(w.EngineCoreRequest)]
     defaults = {"client_index": 0, "current_wave": 0, "priority": 0, "resumable": False,
                 "abort_immediately": False}
     for i, name in enumerate(names):
         expected = getattr(req, name) if i < keep else defaults.get(name)
         assert getattr(truncated, name) == expected, name
-    longer = w.decode_request([msgpack.packb(arr + extra, use_bin_type=True), *frames[1:]])
+    longer = w_engine.decode_request([msgpack.packb(arr + extra, use_bin_type=True), *frames[1:]])
     assert longer == req
 
 
@@ -424,7 +426,7 @@ def test_sampling_params_missing_and_unknown_keys(sp: w.SamplingParams, data: st
         del arr[3][k]
     arr[3]["some_future_field"] = [1, {"x": 2}]
     arr[3][7] = "int key"
-    got = w.decode_request([msgpack.packb(arr, use_bin_type=True)]).sampling_params
+    got = w_engine.decode_request([msgpack.packb(arr, use_bin_type=True)]).sampling_params
     default = w.SamplingParams()
     for f in attrs.fields(w.SamplingParams):
         wire = f.metadata["wire"] or f.name
@@ -437,46 +439,46 @@ def test_sampling_params_missing_and_unknown_keys(sp: w.SamplingParams, data: st
 
 def test_minimum_request_decodes_with_vllm_defaults() -> None:
     payload = msgpack.packb(["r", [1, 2], None, {"max_tokens": 3}, None, 5, None, None, None])
-    req = w.decode_request([payload])
+    req = w_engine.decode_request([payload])
     assert req.arrival_time == 5.0 and type(req.arrival_time) is float
     assert req.sampling_params == w.SamplingParams(max_tokens=3)
     assert req.sampling_params.stop == () and req.sampling_params.skip_reading_prefix_cache is False
     assert req.client_index == 0 and req.kv_hints is None
-    sp = w.decode_request([msgpack.packb(["r", [1], None, {"prompt_logprobs": 2, "stop": "x"}, None, 0.0,
+    sp = w_engine.decode_request([msgpack.packb(["r", [1], None, {"prompt_logprobs": 2, "stop": "x"}, None, 0.0,
                                           None, None, None])]).sampling_params
     assert sp.skip_reading_prefix_cache is True and sp.stop == ("x",)
 
 
 def test_handshake_tolerance() -> None:
-    hs = w.decode_handshake_status(msgpack.packb({"status": "READY", "local": True, "headless": True,
+    hs = handshake.decode_handshake_status(msgpack.packb({"status": "READY", "local": True, "headless": True,
                                                   "parallel_config_hash": "abc", "num_redundant_experts": 3}))
-    assert hs == w.HandshakeStatus(status="READY", local=True, headless=True, parallel_config_hash="abc")
-    assert w.decode_handshake_status(msgpack.packb({"status": "HELLO"})).local is False
-    ready = w.encode_ready(False, True, "h1")
-    assert w.decode_handshake_status(ready).parallel_config_hash == "h1"
-    init = w.decode_init(msgpack.packb({"addresses": {"inputs": ["a"], "outputs": ["b"]}}))
+    assert hs == handshake.HandshakeStatus(status="READY", local=True, headless=True, parallel_config_hash="abc")
+    assert handshake.decode_handshake_status(msgpack.packb({"status": "HELLO"})).local is False
+    ready = handshake.encode_ready(False, True, "h1")
+    assert handshake.decode_handshake_status(ready).parallel_config_hash == "h1"
+    init = handshake.decode_init(msgpack.packb({"addresses": {"inputs": ["a"], "outputs": ["b"]}}))
     assert init.inputs == ("a",) and init.coordinator_input is None and init.parallel_config == {}
 
 
 def test_ready_response_tolerance() -> None:
-    r = w.decode_ready_response(msgpack.packb({
+    r = handshake.decode_ready_response(msgpack.packb({
         "max_model_len": 4096, "prefix_granularity": 64, "max_num_batched_tokens": -1,
         "vllm_version": "tokenspeed-0.1.1", "coord_store_port": 0, "multimodal_encoder_dtype": None,
         "kv_cache_max_concurrency": 3,
     }))
     assert r.block_size == 64 and r.max_num_batched_tokens == -1 and r.world_size == 1
     assert r.kv_cache_max_concurrency == 3.0 and type(r.kv_cache_max_concurrency) is float
-    assert w.decode_ready_response(msgpack.packb({"max_model_len": 8, "block_size": 16,
+    assert handshake.decode_ready_response(msgpack.packb({"max_model_len": 8, "block_size": 16,
                                                   "prefix_granularity": 64})).block_size == 16
     for bad in ({}, {"max_model_len": 0}, {"max_model_len": "256"}, {"max_model_len": True},
                 {"max_model_len": 1.0}, {"max_model_len": 8, "num_gpu_blocks": 1.5},
                 {"max_model_len": 8, "dtype": 5}, {"max_model_len": 8, "kv_events_config": 3}, [1]):
         with pytest.raises(RemoteProtocolError):
-            w.decode_ready_response(msgpack.packb(bad))
+            handshake.decode_ready_response(msgpack.packb(bad))
     with pytest.raises(RemoteProtocolError, match="max_model_len"):
-        w.decode_ready_response(msgpack.packb({"block_size": 16}))
+        handshake.decode_ready_response(msgpack.packb({"block_size": 16}))
     with pytest.raises(RemoteProtocolError, match="num_gpu_blocks"):
-        w.decode_ready_response(msgpack.packb({"max_model_len": 8, "num_gpu_blocks": "x"}))
+        handshake.decode_ready_response(msgpack.packb({"max_model_len": 8, "num_gpu_blocks": "x"}))
 
 
 # ----------------------------------------------------------------- hostile input
@@ -484,14 +486,14 @@ def test_ready_response_tolerance() -> None:
 DECODERS = [
     lambda b: w.decode_outputs([b]),
     lambda b: w.decode_outputs([b, b]),
-    lambda b: w.decode_request([b]),
-    lambda b: w.decode_request([b, b"\x00" * 16]),
-    w.decode_handshake_status,
-    w.decode_ready_response,
-    w.decode_init,
-    w.decode_abort,
-    w.decode_utility_call,
-    w.decode_start_dp_wave,
+    lambda b: w_engine.decode_request([b]),
+    lambda b: w_engine.decode_request([b, b"\x00" * 16]),
+    handshake.decode_handshake_status,
+    handshake.decode_ready_response,
+    handshake.decode_init,
+    w_engine.decode_abort,
+    w_engine.decode_utility_call,
+    w_engine.decode_start_dp_wave,
 ]
 
 
@@ -562,7 +564,7 @@ def test_arbitrary_msgpack_raises_only_remote_protocol_error(value: object) -> N
     for row in d.outputs:  # lazily decoded parts obey the same contract
         only_remote_errors(lambda r: w.decode_logprobs_lists(r, d.frames), row[w.O_NEW_LOGPROBS])
         only_remote_errors(lambda r: w.decode_logprobs_tensors(r, d.frames), row[w.O_NEW_PROMPT_LOGPROBS])
-        only_remote_errors(lambda r: w.EngineCoreOutput.from_row(r, d.frames), row)
+        only_remote_errors(lambda r: w_engine.EngineCoreOutput.from_row(r, d.frames), row)
 
 
 @SETTINGS
@@ -611,7 +613,7 @@ def test_pickle_and_unknown_ext_types_are_refused_anywhere(code: int) -> None:
     with pytest.raises(RemoteProtocolError, match="ext type"):
         w.decode_outputs([body])
     with pytest.raises(RemoteProtocolError, match="ext type"):
-        w.decode_request([msgpack.packb(["r", [1], None, None, None, 0.0, None, None, None,
+        w_engine.decode_request([msgpack.packb(["r", [1], None, None, None, 0.0, None, None, None,
                                          msgpack.ExtType(code, b"x")])])
 
 
@@ -702,7 +704,7 @@ def test_bad_envelopes_name_the_field(envelope: object, field: str) -> None:
 
 
 def test_limits_are_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
-    frames = w.encode_outputs(0, [w.EngineCoreOutput(request_id=str(i), new_token_ids=[1, 2, 3])
+    frames = w_engine.encode_outputs(0, [w_engine.EngineCoreOutput(request_id=str(i), new_token_ids=[1, 2, 3])
                                   for i in range(3)], timestamp=0.0)
     w.decode_outputs(frames)
     monkeypatch.setattr(limits, "MAX_OUTPUTS_PER_MESSAGE", 2)
@@ -718,7 +720,7 @@ def test_limits_are_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RemoteProtocolError, match="MAX_FRAME_BYTES"):
         w.decode_outputs(frames)
     with pytest.raises(RemoteProtocolError, match="MAX_FRAME_BYTES"):
-        w.decode_handshake_status(b"\x80" * len(frames[0]))
+        handshake.decode_handshake_status(b"\x80" * len(frames[0]))
     with pytest.raises(RemoteProtocolError):
         w.decode_outputs([])
 
@@ -745,7 +747,7 @@ def test_limits_are_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_malformed_requests_are_refused(payload: object) -> None:
     with pytest.raises(RemoteProtocolError):
-        w.decode_request([msgpack.packb(payload, use_bin_type=True)])
+        w_engine.decode_request([msgpack.packb(payload, use_bin_type=True)])
 
 
 def test_encoders_refuse_what_the_wire_cannot_carry() -> None:
@@ -770,12 +772,12 @@ def test_encoders_refuse_what_the_wire_cannot_carry() -> None:
         w.encode_utility_call(0, 2**64, "m", [])
     assert w.encode_utility_call(0, 2**64 - 1, "m", [])[2:3] == b"\xcf"
     with pytest.raises(LocalProtocolError):
-        w.encode_outputs(0, [w.EngineCoreOutput(request_id="r", error=w.OutputError(
+        w_engine.encode_outputs(0, [w_engine.EngineCoreOutput(request_id="r", error=w_engine.OutputError(
             code="c", message="m", retryable=False))], timestamp=0.0)
     with pytest.raises(LocalProtocolError):
-        w.encode_outputs(0, [w.EngineCoreOutput(request_id="r", finish_reason=9)], timestamp=0.0)
+        w_engine.encode_outputs(0, [w_engine.EngineCoreOutput(request_id="r", finish_reason=9)], timestamp=0.0)
     with pytest.raises(LocalProtocolError):
-        w.encode_outputs(0, [w.EngineCoreOutput(request_id="r", new_token_ids=[1.5])], timestamp=0.0)
+        w_engine.encode_outputs(0, [w_engine.EngineCoreOutput(request_id="r", new_token_ids=[1.5])], timestamp=0.0)
     with pytest.raises(LocalProtocolError):
         encode_tensor("bfloat16", (1,), b"\x00\x00", [], torch=False)  # numpy has no bfloat16
     with pytest.raises(LocalProtocolError):
@@ -786,10 +788,10 @@ def test_encoders_refuse_what_the_wire_cannot_carry() -> None:
 
 def test_request_type_frames() -> None:
     assert [t.frame for t in w.RequestType] == [b"\x00", b"\x01", b"\x02", b"\x03"]
-    assert w.parse_request_type(b"\x03") is w.RequestType.UTILITY
+    assert w_engine.parse_request_type(b"\x03") is w.RequestType.UTILITY
     for bad in (b"", b"\x04", b"\x05", b"\x00\x00"):
         with pytest.raises(RemoteProtocolError):
-            w.parse_request_type(bad)
+            w_engine.parse_request_type(bad)
     assert [r.wire_name for r in w.FinishReason] == ["stop", "length", "abort", "error", "repetition"]
     assert math.isclose(w.SamplingParams(temperature=0).temperature, 0.0)
     assert type(w.SamplingParams(temperature=0).temperature) is float

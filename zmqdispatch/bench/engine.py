@@ -28,7 +28,7 @@ every request of a step: a client that cannot see ``EngineCoreOutputs.timestamp`
 step that produced it, with the per-step send times from ``table``.
 
 Speed (:class:`StepEncoder`): each running request's row is encoded once by
-:func:`zmqdispatch.wire.vllm.encode_outputs` and split around its token array;
+:func:`zmqdispatch.wire.vllm_engine.encode_outputs` and split around its token array;
 a step is then one ``bytes.join`` of the cached pieces with this step's packed
 tokens as the separator, and ``timestamp`` is this process's
 ``time.monotonic()`` packed right before the join and the send. The loop is a
@@ -80,6 +80,8 @@ import zmq
 
 from ..mock.core import MockEngineCore
 from ..wire import vllm as wire
+from ..wire import vllm_engine as wire_engine
+from ..wire import vllm_handshake as handshake
 
 __all__ = ["StepEncoder", "BenchEngine", "open_ack_fifo", "token_for_step", "main"]
 
@@ -118,7 +120,7 @@ class StepEncoder:
         self.engine_index = engine_index
         self.tokens_per_tick = tokens_per_tick
         self._head = b"\x99" + msgpack.packb(engine_index)
-        empty = wire.encode_outputs(engine_index, [], timestamp=0.0, weight_version="default")[0]
+        empty = wire_engine.encode_outputs(engine_index, [], timestamp=0.0, weight_version="default")[0]
         tail = empty[len(self._head) + 1 :]
         if not empty.startswith(self._head + b"\x90") or not tail.startswith(_NIL + _ZERO_FLOAT):
             raise AssertionError(f"unexpected EngineCoreOutputs layout: {empty.hex()}")
@@ -178,8 +180,8 @@ class StepEncoder:
 
     def _row(self, request_id: str, tokens: tuple[int, ...], **fields: Any) -> bytes:
         """One row, as vLLM's encoder writes it inside an EngineCoreOutputs."""
-        out = wire.EngineCoreOutput(request_id=request_id, new_token_ids=tokens, **fields)
-        payload = wire.encode_outputs(self.engine_index, [out], timestamp=0.0, weight_version="default")[0]
+        out = wire_engine.EngineCoreOutput(request_id=request_id, new_token_ids=tokens, **fields)
+        payload = wire_engine.encode_outputs(self.engine_index, [out], timestamp=0.0, weight_version="default")[0]
         if not payload.startswith(self._row_prefix) or not payload.endswith(self._row_suffix):
             raise AssertionError("unexpected EngineCoreOutputs layout")
         return payload[len(self._row_prefix) : len(payload) - len(self._row_suffix)]
@@ -238,7 +240,7 @@ class StepEncoder:
         if self._new:
             new, self._new = self._new, {}
             for rid, (prompt_len, max_tokens) in new.items():
-                stats = wire.PrefillStats(num_prompt_tokens=prompt_len, num_computed_tokens=prompt_len)
+                stats = wire_engine.PrefillStats(num_prompt_tokens=prompt_len, num_computed_tokens=prompt_len)
                 if max_tokens is not None and max_tokens <= k:
                     fixed.append(self._row(rid, (tok,) * max_tokens, prefill_stats=stats,
                                            finish_reason=wire.FinishReason.LENGTH))
@@ -289,8 +291,8 @@ class StepEncoder:
 # ---------------------------------------------------------------------- attaching
 
 
-def _ready_response(max_model_len: int, engine_index: int) -> wire.EngineCoreReadyResponse:
-    return wire.EngineCoreReadyResponse(
+def _ready_response(max_model_len: int, engine_index: int) -> handshake.EngineCoreReadyResponse:
+    return handshake.EngineCoreReadyResponse(
         max_model_len=max_model_len,
         num_gpu_blocks=max(1, max_model_len // 16) * 64,
         block_size=16,
@@ -319,7 +321,7 @@ def _data_sockets(
 
 def dial(
     ctx: zmq.Context[zmq.Socket[bytes]],
-    ready: wire.EngineCoreReadyResponse,
+    ready: handshake.EngineCoreReadyResponse,
     *,
     engine_index: int = 0,
     handshake_address: str | None = None,
@@ -341,19 +343,19 @@ def dial(
         if input_address is None or output_address is None:
             raise ValueError("give a handshake address, or both input and output addresses")
         inp, out = _data_sockets(ctx, identity, input_address, output_address)
-        inp.send(wire.encode_ready_response(ready))
+        inp.send(handshake.encode_ready_response(ready))
         return inp, out
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.IDENTITY, identity)
     try:
         hs.connect(handshake_address)
-        hs.send(wire.encode_hello(local=True, headless=False))
+        hs.send(handshake.encode_hello(local=True, headless=False))
         if not hs.poll(int(timeout * 1000)):
             raise TimeoutError(f"no INIT from {handshake_address} within {timeout} s")
-        init = wire.decode_init(hs.recv())
+        init = handshake.decode_init(hs.recv())
         inp, out = _data_sockets(ctx, identity, init.inputs[0], init.outputs[0])
-        inp.send(wire.encode_ready_response(ready))
-        hs.send(wire.encode_ready(local=True, headless=False))
+        inp.send(handshake.encode_ready_response(ready))
+        hs.send(handshake.encode_ready(local=True, headless=False))
     finally:
         hs.close(linger=5000)  # as vLLM: READY must not be lost
     return inp, out
@@ -443,7 +445,7 @@ class BenchEngine:
         kind = frames[0][0] if frames and len(frames[0]) == 1 else -1
         try:
             if kind == wire.RequestType.ADD:
-                req = wire.decode_request(frames[1:])
+                req = wire_engine.decode_request(frames[1:])
                 sp = req.sampling_params
                 was_idle = self.encoder.running == 0
                 self.encoder.add(req.request_id, len(req.prompt_token_ids or ()), sp.max_tokens if sp else None)
@@ -451,10 +453,10 @@ class BenchEngine:
                 if was_idle:
                     self.next_step = time.monotonic()
             elif kind == wire.RequestType.ABORT:
-                for rid in wire.decode_abort(frames[1]):
+                for rid in wire_engine.decode_abort(frames[1]):
                     self.aborts += self.encoder.remove(rid)
             elif kind == wire.RequestType.UTILITY:
-                call = wire.decode_utility_call(frames[1])
+                call = wire_engine.decode_utility_call(frames[1])
                 result: object
                 failure: str | None
                 if call.method == "zmqd_live_requests":
@@ -467,7 +469,7 @@ class BenchEngine:
                     result=None if failure else wire.UtilityResult(result),
                 )
                 self.out.send_multipart(
-                    wire.encode_utility_output(self.engine_index, reply, timestamp=time.monotonic()))
+                    wire_engine.encode_utility_output(self.engine_index, reply, timestamp=time.monotonic()))
             else:
                 self.errors += 1
         except Exception as exc:  # a bad message is counted, never fatal here

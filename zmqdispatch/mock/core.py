@@ -50,6 +50,7 @@ import attrs
 from collections import deque
 
 from ..wire import vllm as wire
+from ..wire import vllm_engine as wire_engine
 
 __all__ = ["MockEngineCore", "FatalEngineError", "mock_token"]
 
@@ -105,9 +106,9 @@ class MockEngineCore:
         #: memory released by a sleep of level >= 1 (until wake_up brings it back)
         self.memory_asleep = False
         #: outputs a utility call produced (pause with mode "abort"), sent before its reply
-        self.utility_outputs: list[wire.EngineCoreOutput] = []
+        self.utility_outputs: list[wire_engine.EngineCoreOutput] = []
 
-    def add(self, request: wire.EngineCoreRequest) -> wire.EngineCoreOutput | None:
+    def add(self, request: wire.EngineCoreRequest) -> wire_engine.EngineCoreOutput | None:
         """Admit an ADD. Returns an immediate ERROR output for a request the
         engine's preprocessing refuses (``max_tokens`` nil), else ``None``.
 
@@ -131,7 +132,7 @@ class MockEngineCore:
             )
         sp = request.sampling_params
         if sp is None or sp.max_tokens is None:
-            return wire.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ERROR)
+            return wire_engine.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ERROR)
         prompt = request.prompt_token_ids or ()
         h = 0
         for t in prompt:
@@ -151,12 +152,12 @@ class MockEngineCore:
         """Whether a step would do anything (requests run and scheduling is not paused)."""
         return bool(self.running) and not self.paused
 
-    def step(self) -> list[wire.EngineCoreOutput]:
+    def step(self) -> list[wire_engine.EngineCoreOutput]:
         """Advance every running request by ``tokens_per_step`` tokens (nothing while paused)."""
         if self.paused:
             return []
         self.steps += 1
-        outputs: list[wire.EngineCoreOutput] = []
+        outputs: list[wire_engine.EngineCoreOutput] = []
         finished: list[str] = []
         for rid, r in self.running.items():
             req = r.request
@@ -183,9 +184,9 @@ class MockEngineCore:
             prefill = None
             if r.first:
                 r.first = False
-                prefill = wire.PrefillStats(num_prompt_tokens=prompt_len, num_computed_tokens=prompt_len)
+                prefill = wire_engine.PrefillStats(num_prompt_tokens=prompt_len, num_computed_tokens=prompt_len)
             outputs.append(
-                wire.EngineCoreOutput(
+                wire_engine.EngineCoreOutput(
                     request_id=rid,
                     new_token_ids=tuple(new),
                     finish_reason=finish,
@@ -199,10 +200,10 @@ class MockEngineCore:
             del self.running[rid]
         return outputs
 
-    def abort_all(self) -> list[wire.EngineCoreOutput]:
+    def abort_all(self) -> list[wire_engine.EngineCoreOutput]:
         """Shutdown: finish every running request with ABORT."""
         outs = [
-            wire.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ABORT)
+            wire_engine.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ABORT)
             for rid in self.running
         ]
         self.running.clear()

@@ -25,8 +25,8 @@ import attrs
 import zmq
 
 from .._zmq_trio import TrioSocket, ZmqContext
-from ..wire import tokenspeed as ts
-from ..wire import vllm as wire
+from ..wire import tokenspeed_engine as ts_engine
+from ..wire import vllm_handshake
 
 __all__ = ["EngineSockets", "dial"]
 
@@ -63,7 +63,7 @@ class EngineSockets:
 
 async def dial(
     handshake_address: str,
-    ready: wire.EngineCoreReadyResponse,
+    ready: vllm_handshake.EngineCoreReadyResponse,
     *,
     engine_index: int = 0,
     local: bool = True,
@@ -100,25 +100,25 @@ async def dial(
     try:
         hs.connect(handshake_address, role="handshake_address")
         if tokenspeed:
-            await hs.send([ts.encode_hello()])
+            await hs.send([ts_engine.encode_hello()])
             # TokenSpeed takes the last frame of the INIT message as its payload.
-            init = wire.decode_init((await hs.recv_multipart())[-1])
+            init = vllm_handshake.decode_init((await hs.recv_multipart())[-1])
             if send_ready:
-                await hs.send([ts.encode_ready()])
+                await hs.send([ts_engine.encode_ready()])
             inp.connect(init.inputs[0])
             if send_ready_response:
-                await inp.send([ts.encode_ready_response(ready)])
+                await inp.send([ts_engine.encode_ready_response(ready)])
             out.connect(init.outputs[0])
         else:
-            await hs.send([wire.encode_hello(local=local, headless=headless)])
+            await hs.send([vllm_handshake.encode_hello(local=local, headless=headless)])
             (init_payload,) = await hs.recv_multipart()
-            init = wire.decode_init(init_payload)
+            init = vllm_handshake.decode_init(init_payload)
             inp.connect(init.inputs[0])
             out.connect(init.outputs[0])
             if send_ready_response:
-                await inp.send([wire.encode_ready_response(ready)])
+                await inp.send([vllm_handshake.encode_ready_response(ready)])
             if send_ready:
-                await hs.send([wire.encode_ready(local=local, headless=headless)])
+                await hs.send([vllm_handshake.encode_ready(local=local, headless=headless)])
     except BaseException:
         EngineSockets(inp, out, engine_index, hs, mon).close()
         raise

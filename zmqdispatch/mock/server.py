@@ -55,7 +55,10 @@ import zmq
 from .._zmq_trio import TrioSocket, parse_monitor_event
 from ..addresses import check_address
 from ..wire import tokenspeed as ts
+from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm as wire
+from ..wire import vllm_engine as wire_engine
+from ..wire import vllm_handshake as handshake
 from .core import FatalEngineError, MockEngineCore
 from .dial import EngineSockets, dial
 from .tokenspeed_core import MockTokenSpeedScheduler
@@ -258,7 +261,7 @@ class _MockEngine(_EngineLoop):
             kind, payload = frames[0][0], frames[1]
             try:
                 if kind == wire.RequestType.ADD:
-                    req = wire.decode_request(frames[1:])
+                    req = wire_engine.decode_request(frames[1:])
                     _log.debug("mock engine %d: ADD %r", self.cfg.engine_index, req.request_id)
                     if _input_thread_would_die(req):
                         _log.warning("mock engine %d: request %r fails vLLM's input checks: the input reader "
@@ -278,11 +281,11 @@ class _MockEngine(_EngineLoop):
                     if stop_after is not None and adds >= stop_after:
                         await trio.sleep_forever()
                 elif kind == wire.RequestType.ABORT:
-                    ids = wire.decode_abort(payload)
+                    ids = wire_engine.decode_abort(payload)
                     _log.debug("mock engine %d: ABORT %s", self.cfg.engine_index, list(ids))
                     self.core.abort(ids)
                 elif kind == wire.RequestType.UTILITY:
-                    call = wire.decode_utility_call(payload)
+                    call = wire_engine.decode_utility_call(payload)
                     result, failure = self.core.utility(call.method, tuple(call.args))
                     if self.core.utility_outputs:  # a pause that aborted requests: their finishes first
                         outs, self.core.utility_outputs = self.core.utility_outputs, []
@@ -300,7 +303,7 @@ class _MockEngine(_EngineLoop):
                 return  # undecodable payload: the input thread dies silently
 
     def _encode(self, outputs, *, finished=None, utility=None) -> list[bytes]:
-        return wire.encode_outputs(
+        return wire_engine.encode_outputs(
             self.cfg.engine_index,
             outputs,
             timestamp=time.monotonic(),
@@ -350,7 +353,7 @@ class _TokenSpeedMockEngine(_EngineLoop):
         while True:
             frames = await self.socks.input.recv_multipart()
             try:
-                kind, body = ts.decode_input(frames)
+                kind, body = ts_engine.decode_input(frames)
             except Exception as exc:  # the real receiver logs and drops the message
                 self.dropped += 1
                 print(f"mock tokenspeed {self.cfg.engine_index}: dropped input: {exc}", file=sys.stderr)
@@ -366,14 +369,14 @@ class _TokenSpeedMockEngine(_EngineLoop):
                 return
             immediate = self.core.add(body)
             if immediate is not None:
-                self.extra.append(ts.encode_outputs(immediate))
+                self.extra.append(ts_engine.encode_outputs(immediate))
             self.wake.set()
             if stop_after is not None and adds >= stop_after:
                 await trio.sleep_forever()
 
     def _step_frames(self) -> list[bytes] | None:
         batch = self.core.step()
-        return None if batch is None else ts.encode_outputs(batch)
+        return None if batch is None else ts_engine.encode_outputs(batch)
 
     async def shutdown(self) -> None:
         # TokenSpeed's event loop sends the sentinel (best effort) when it closes.
@@ -381,9 +384,9 @@ class _TokenSpeedMockEngine(_EngineLoop):
             self.socks.output.try_send([ts.ENGINE_CORE_DEAD])
 
 
-def _ready_response(cfg: MockEngineConfig) -> wire.EngineCoreReadyResponse:
+def _ready_response(cfg: MockEngineConfig) -> handshake.EngineCoreReadyResponse:
     tokenspeed = cfg.runtime == "tokenspeed"
-    return wire.EngineCoreReadyResponse(
+    return handshake.EngineCoreReadyResponse(
         max_model_len=cfg.max_model_len,
         num_gpu_blocks=max(1, cfg.max_model_len // 16) * 64,
         block_size=16,

@@ -5,7 +5,7 @@ the mock checklist of §2), so clients can be tested against its quirks:
 
 - admission as TokenSpeed's msgpack receiver does it: the ADD is finalized
   (``seed = crc32(rid)`` when nil, normalization, ``n != 1`` marked invalid)
-  and checked (:func:`zmqdispatch.wire.tokenspeed.admission_error`); a refused
+  and checked (:func:`zmqdispatch.protocol.checks_tokenspeed.admission_error`); a refused
   request gets **one immediate terminal ``"abort"`` batch** with no tokens,
   ``completion_tokens`` 0 and no reason text;
 - a client ABORT removes the request and produces **no frame at all**; an
@@ -41,6 +41,7 @@ from typing import Any
 import attrs
 
 from .. import limits
+from ..protocol import checks_tokenspeed
 from ..wire import tokenspeed as ts
 from .core import mock_token
 
@@ -113,7 +114,7 @@ class MockTokenSpeedScheduler:
     # ------------------------------------------------------------------ input
 
     def add(self, request: ts.TokenizedGenerateReqInput) -> ts.TokenSpeedBatch | None:
-        """Admit a finalized ADD (:func:`zmqdispatch.wire.tokenspeed.decode_input`).
+        """Admit a finalized ADD (:func:`zmqdispatch.wire.tokenspeed_engine.decode_input`).
 
         Returns:
             the immediate terminal ``"abort"`` batch for a refused request, else
@@ -121,7 +122,7 @@ class MockTokenSpeedScheduler:
         """
         self.requests_received += 1
         rid = request.rid
-        reason = ts.admission_error(
+        reason = checks_tokenspeed.admission_error(
             request, vocab_size=self.vocab_size, enable_output_logprobs=self.enable_output_logprobs
         )
         if reason is not None:

@@ -24,6 +24,7 @@ from ..errors import ContextLengthError, LocalProtocolError, RequestRejected
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from ..wire.tensors import check_tensor
+from . import checks_tokenspeed
 
 __all__ = ["check_request", "check_sampling_params", "check_tokenspeed_request", "json_depth"]
 
@@ -356,7 +357,7 @@ def check_tokenspeed_request(
     for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
         if getattr(request, name) is not None:
             raise _reject(rid, name, "PD disaggregation is not supported over the ZMQ transport")
-    reason = ts.admission_error(
+    reason = checks_tokenspeed.admission_error(
         ts.finalize_add(request),
         vocab_size=vocab_size,
         enable_output_logprobs=True,  # unknown here; a refusal comes back as EngineAbortedRequest

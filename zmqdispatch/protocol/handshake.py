@@ -31,7 +31,7 @@ import attrs
 
 from .. import limits
 from ..errors import EngineHandshakeError, EngineHandshakeTimeout, RemoteProtocolError
-from ..wire import vllm as wire
+from ..wire import vllm_handshake as wire  # only the handshake messages are used here
 
 __all__ = ["EngineHandshake", "Handshake", "HandshakeStep", "check_not_lockstep"]
 

@@ -34,6 +34,7 @@ import attrs
 from ..errors import EngineHandshakeError, LocalProtocolError, RequestRejected, RuntimeMismatchError
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
+from ..wire import vllm_handshake as handshake
 from . import checks
 
 __all__ = ["Runtime"]
@@ -46,7 +47,7 @@ class Runtime(enum.Enum):
     TOKENSPEED = "tokenspeed"
 
     @classmethod
-    def of_ready_response(cls, ready: wire.EngineCoreReadyResponse) -> Runtime:
+    def of_ready_response(cls, ready: handshake.EngineCoreReadyResponse) -> Runtime:
         """The runtime that sent this ready response.
 
         TokenSpeed announces itself with ``vllm_version = "tokenspeed-<version>"``
@@ -55,7 +56,7 @@ class Runtime(enum.Enum):
         return cls.TOKENSPEED if ts.is_tokenspeed(ready) else cls.VLLM
 
     @classmethod
-    def resolve(cls, expected: Runtime | str | None, ready: wire.EngineCoreReadyResponse) -> Runtime:
+    def resolve(cls, expected: Runtime | str | None, ready: handshake.EngineCoreReadyResponse) -> Runtime:
         """The connection's runtime: what the engine announced, checked against *expected*.
 
         Raises:

@@ -25,13 +25,15 @@ import trio
 
 from ..mock.dial import EngineSockets, dial
 from ..wire import vllm as wire
+from ..wire import vllm_engine as wire_engine
+from ..wire import vllm_handshake as handshake
 
 __all__ = ["FakeEngine", "Received", "default_ready"]
 
 
-def default_ready(max_model_len: int = 1024, **kw: object) -> wire.EngineCoreReadyResponse:
+def default_ready(max_model_len: int = 1024, **kw: object) -> handshake.EngineCoreReadyResponse:
     """A ready response like a small engine's (``max_model_len`` tokens)."""
-    return wire.EngineCoreReadyResponse(
+    return handshake.EngineCoreReadyResponse(
         max_model_len=max_model_len,
         num_gpu_blocks=64,
         block_size=16,
@@ -45,7 +47,7 @@ def default_ready(max_model_len: int = 1024, **kw: object) -> wire.EngineCoreRea
 class Received:
     """One message the client sent: ``kind`` is a ``RequestType``; ``value`` is
     the decoded ``EngineCoreRequest``, the ABORT id tuple, or the
-    ``wire.UtilityCall`` (``client_index``, ``call_id``, ``method``, ``args``)."""
+    ``wire_engine.UtilityCall`` (``client_index``, ``call_id``, ``method``, ``args``)."""
 
     kind: wire.RequestType
     value: object
@@ -67,7 +69,7 @@ class FakeEngine:
         self,
         handshake_address: str,
         *,
-        ready: wire.EngineCoreReadyResponse | None = None,
+        ready: handshake.EngineCoreReadyResponse | None = None,
         engine_index: int = 0,
         input_rcvhwm: int = 0,
         send_ready: bool = True,
@@ -100,12 +102,12 @@ class FakeEngine:
         frames = await self.socks.input.recv_multipart()
         kind = wire.RequestType(frames[0][0])
         if kind == wire.RequestType.ADD:
-            value: object = wire.decode_request(frames[1:])
+            value: object = wire_engine.decode_request(frames[1:])
         elif kind == wire.RequestType.ABORT:
-            value = wire.decode_abort(frames[1])
+            value = wire_engine.decode_abort(frames[1])
             self.aborted.extend(value)  # type: ignore[arg-type]
         elif kind == wire.RequestType.UTILITY:
-            value = wire.decode_utility_call(frames[1])
+            value = wire_engine.decode_utility_call(frames[1])
         else:
             value = frames[1:]
         return Received(kind, value, frames)
@@ -124,18 +126,18 @@ class FakeEngine:
 
     # ---------------------------------------------------------------- output side
 
-    async def send_outputs(self, outputs: Sequence[wire.EngineCoreOutput], **kw: object) -> None:
+    async def send_outputs(self, outputs: Sequence[wire_engine.EngineCoreOutput], **kw: object) -> None:
         """Push one ``EngineCoreOutputs`` with *outputs* (timestamp = now)."""
         assert self.socks is not None
         kw.setdefault("timestamp", time.monotonic())
         kw.setdefault("weight_version", "default")
-        await self.socks.output.send(wire.encode_outputs(self.engine_index, list(outputs), **kw))
+        await self.socks.output.send(wire_engine.encode_outputs(self.engine_index, list(outputs), **kw))
 
     async def send_tokens(self, request_id: str, token_ids: Sequence[int], finish: wire.FinishReason | None = None,
                           stop_reason: int | str | None = None) -> None:
         """Shorthand: one output for one request."""
         await self.send_outputs([
-            wire.EngineCoreOutput(request_id=request_id, new_token_ids=tuple(token_ids), finish_reason=finish,
+            wire_engine.EngineCoreOutput(request_id=request_id, new_token_ids=tuple(token_ids), finish_reason=finish,
                                   stop_reason=stop_reason)
         ])
 

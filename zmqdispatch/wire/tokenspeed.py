@@ -1,20 +1,26 @@
-"""Sans-IO codec of TokenSpeed's direct msgpack ZMQ wire (TokenSpeed 0.1.1, ``--zmq-msgpack``).
+"""Client side of TokenSpeed's direct msgpack ZMQ wire (TokenSpeed 0.1.1, ``--zmq-msgpack``), sans-IO.
 
-Everything here turns typed values into frames and frames into typed values; nothing
-touches a socket. Sources of the format (facts, not code): ``docs/tokenspeed-wire.md``
-§1, checked against TokenSpeed 0.1.1's own
-wire modules (``runtime/engine/{zmq_wire,zmq_msgpack,io_struct}.py``,
-``runtime/sampling/sampling_params.py``). :func:`encode_add`, :func:`encode_outputs`,
-:func:`encode_abort` and :func:`encode_hello` reproduce that encoder's golden bytes
+What a front-end sends and reads, in one file: :func:`encode_add`, :func:`encode_abort`
+and :func:`decode_outputs` (the hot path, once per scheduler step), plus the
+ready-response view (:func:`decode_ready_response`, :func:`is_tokenspeed`). The
+engine's side (decoding ADD / ABORT as TokenSpeed's receiver does, encoding output
+batches and TokenSpeed's handshake maps: the mock engine and tests) is
+:mod:`zmqdispatch.wire.tokenspeed_engine`; what TokenSpeed's ingress refuses is
+:mod:`zmqdispatch.protocol.checks_tokenspeed`. Nothing here touches a socket. Sources of
+the format (facts, not code): ``docs/tokenspeed-wire.md`` §1, checked against
+TokenSpeed 0.1.1's own wire modules (``runtime/engine/{zmq_wire,zmq_msgpack,io_struct}.py``,
+``runtime/sampling/sampling_params.py``). :func:`encode_add`, :func:`encode_abort` and
+the engine-side encoders reproduce that encoder's golden bytes
 (``tests/wire/vectors/tokenspeed_0.1.1.json``) byte for byte.
 
 What TokenSpeed shares with vLLM's EngineCore, and is therefore reused from
-:mod:`zmqdispatch.wire.vllm`: the socket topology and 2-byte identities, the HELLO /
-INIT / READY handshake maps, the ready-response map (TokenSpeed names ``block_size``
-``prefix_granularity``; :func:`decode_ready_response` reads either), the ABORT payload
-(an array of request-id strings) and the raw ``ENGINE_CORE_DEAD`` sentinel frame. The
-``0x00`` ADD / ``0x01`` ABORT type bytes have vLLM's values too, but TokenSpeed knows
-no other type, so :class:`RequestType` here has only those two.
+:mod:`zmqdispatch.wire.vllm` / :mod:`zmqdispatch.wire.vllm_handshake`: the socket
+topology and 2-byte identities, the HELLO / INIT / READY handshake maps, the
+ready-response map (TokenSpeed names ``block_size`` ``prefix_granularity``;
+:func:`decode_ready_response` reads either), the ABORT payload (an array of request-id
+strings) and the raw ``ENGINE_CORE_DEAD`` sentinel frame. The ``0x00`` ADD / ``0x01``
+ABORT type bytes have vLLM's values too, but TokenSpeed knows no other type, so
+:class:`RequestType` here has only those two.
 
 What differs (all here):
 
@@ -45,90 +51,79 @@ import array
 import enum
 import itertools
 import zlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
 from zmqdispatch.wire import vllm as _vllm
-from zmqdispatch.wire.tensors import Tensor, encode_tensor
-from zmqdispatch.wire._fields import (
+from zmqdispatch.wire import vllm_handshake as _handshake
+from zmqdispatch.wire.schema import (
     ENGINE_CORE_DEAD,
-    _unpack_output_message,
-    is_dead_sentinel,
     _Bad,
-    _tname,
-    _pack,
-    _k_any,
-    _k_int,
-    _k_float,
+    _conv_float,
+    _conv_nested_tuple,
+    _conv_tuple,
+    _field,
+    _int_seq,
     _k_bool,
-    _k_str,
+    _k_float,
+    _k_int,
     _k_map,
     _k_opt,
     _k_seq,
-    _conv_float,
-    _conv_tuple,
-    _conv_nested_tuple,
+    _k_str,
+    _opt_int,
+    _opt_str,
+    _pack,
+    _positional,
+    _prep,
+    _same,
+    _spec,
+    _tname,
+    _to_positional,
+    _unpack_output_message,
+    is_dead_sentinel,
 )
-from zmqdispatch.wire._fields import _unpack as _unpack_any
-
-
-def _unpack(payload: Any, what: str) -> Any:
-    """One msgpack document, arrays as tuples (TokenSpeed's positional structs)."""
-    return _unpack_any(payload, what, use_list=False)
-
+from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
 
 __all__ = [
-    # constants
-    "TOKENSPEED_VERSION",
-    "RequestType",
-    "parse_request_type",
-    "ENGINE_CORE_DEAD",
-    "is_dead_sentinel",
-    "REQUEST_TAG",
-    "BATCH_TAG",
-    "TOP_K_DISABLED",
-    "TOP_K_FUSED_MAX",
-    "SAMPLING_EPS",
-    "FORCE_STREAM_INTERVAL",
-    "SAMPLING_PARAMS_LEN",
-    "REQUEST_ELEMENTS",
-    "REQUEST_MIN_ELEMENTS",
     "BATCH_ELEMENTS",
     "BATCH_MIN_ELEMENTS",
+    "BATCH_TAG",
+    "ENGINE_CORE_DEAD",
+    "FINISH_ABORT",
+    "FINISH_LENGTH",
     "FINISH_RUNNING",
     "FINISH_STOP",
-    "FINISH_LENGTH",
-    "FINISH_ABORT",
-    # requests
-    "TokenSpeedSamplingParams",
+    "FORCE_STREAM_INTERVAL",
+    "REQUEST_ELEMENTS",
+    "REQUEST_MIN_ELEMENTS",
+    "REQUEST_TAG",
+    "SAMPLING_EPS",
+    "SAMPLING_PARAMS_LEN",
+    # constants
+    "TOKENSPEED_VERSION",
+    "TOP_K_DISABLED",
+    "TOP_K_FUSED_MAX",
+    "LoadSnapshot",
+    "RequestType",
     "SessionParams",
-    "TokenizedGenerateReqInput",
-    "encode_add",
-    "decode_add",
-    "finalize_add",
-    "admission_error",
-    "decode_input",
-    "encode_abort",
-    "decode_abort",
     # outputs
     "TokenSpeedBatch",
     "TokenSpeedOutput",
-    "LoadSnapshot",
+    # requests
+    "TokenSpeedSamplingParams",
+    "TokenizedGenerateReqInput",
     "decode_outputs",
-    "encode_outputs",
     # handshake
-    "encode_hello",
-    "encode_ready",
-    "decode_handshake_status",
-    "encode_init",
-    "decode_init",
-    "EngineCoreReadyResponse",
-    "READY_DTYPES",
-    "encode_ready_response",
     "decode_ready_response",
+    "encode_abort",
+    "encode_add",
+    "finalize_add",
+    "is_dead_sentinel",
     "is_tokenspeed",
 ]
 
@@ -157,17 +152,6 @@ class RequestType(enum.IntEnum):
 
 _TYPE_FRAMES = {t: bytes((t,)) for t in RequestType}
 
-
-def parse_request_type(frame: bytes) -> RequestType:
-    """Read the request-type frame of an input message (used by the mock engine).
-
-    Raises:
-        RemoteProtocolError: the frame is not exactly ``b"\\x00"`` or ``b"\\x01"``
-            (TokenSpeed drops such a message without a reply).
-    """
-    if len(frame) != 1 or frame[0] > 1:
-        raise RemoteProtocolError(f"invalid TokenSpeed request type frame {bytes(frame)[:8]!r}")
-    return RequestType(frame[0])
 
 
 #: Element 0 of an ADD payload.
@@ -213,13 +197,13 @@ FINISH_ABORT = "abort"
 # normalised, or raises _Bad. Same rules both ways, so whatever encodes also decodes.
 
 
-def _k_array(v: Any) -> tuple:
+def _k_array(v: Any) -> tuple[Any, ...]:
     if type(v) not in (list, tuple):
         raise _Bad(f"expected an array, got {_tname(v)}")
     return tuple(v)
 
 
-def _k_str_map(v: Any) -> dict:
+def _k_str_map(v: Any) -> dict[str, Any]:
     m = _k_map(v)
     for k in m:
         if type(k) is not str:
@@ -227,7 +211,7 @@ def _k_str_map(v: Any) -> dict:
     return m
 
 
-def _k_float_map(v: Any) -> dict:
+def _k_float_map(v: Any) -> dict[str, float]:
     # logit_bias: dict[str, float] -- keys are stringified token ids.
     m = _k_str_map(v)
     return {k: _k_float(x) for k, x in m.items()}
@@ -247,11 +231,6 @@ def _k_id_set(v: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(_k_seq(_k_int)(v)))
 
 
-_opt_int = _k_opt(_k_int)
-_opt_str = _k_opt(_k_str)
-_int_seq = _k_seq(_k_int)
-
-
 def _conv_id_set(v: Any) -> Any:
     if isinstance(v, (set, frozenset)):
         return tuple(v)  # set-iteration order, what TokenSpeed's encoder writes
@@ -260,51 +239,6 @@ def _conv_id_set(v: Any) -> Any:
 
 def _conv_float_map(v: Any) -> Any:
     return {k: _conv_float(x) for k, x in v.items()} if isinstance(v, dict) else v
-
-
-def _field(default: Any = attrs.NOTHING, kind: Callable = _k_any, *, converter: Callable | None = None) -> Any:
-    return attrs.field(default=default, metadata={"kind": kind}, converter=converter)
-
-
-def _spec(cls: type) -> list[tuple[str, Any, Callable]]:
-    """(name, default, kind) per field, in declaration (= wire) order."""
-    cached = cls.__dict__.get("_wire_spec_cache")
-    if cached is None:
-        cached = [(f.name, f.default, f.metadata["kind"]) for f in attrs.fields(cls)]
-        type.__setattr__(cls, "_wire_spec_cache", cached)
-    return cached
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) is type(b) and a == b)
-
-
-def _positional(cls: type, arr: Any, what: str, *, min_len: int = 0, nested: dict | None = None) -> Any:
-    """Decode an array_like struct: prefix tolerant, extra trailing elements ignored."""
-    if type(arr) not in (tuple, list):
-        raise _Bad(f"expected an array, got {_tname(arr)}")
-    if len(arr) < min_len:
-        raise _Bad(f"expected an array of at least {min_len} elements, got {len(arr)}")
-    kwargs = {}
-    for (name, _default, kind), v in zip(_spec(cls), arr):
-        if nested and name in nested:
-            kwargs[name] = nested[name](v)
-            continue
-        try:
-            kwargs[name] = kind(v)
-        except _Bad as exc:
-            raise _Bad(f"{what}.{name}: {exc}") from None
-    return cls(**kwargs)
-
-
-def _to_positional(obj: Any, what: str) -> list:
-    out = []
-    for name, _default, kind in _spec(type(obj)):
-        try:
-            out.append(kind(getattr(obj, name)))
-        except _Bad as exc:
-            raise LocalProtocolError(f"{what}.{name}: {exc}") from None
-    return out
 
 
 # =========================================================================== SamplingParams
@@ -333,8 +267,8 @@ class TokenSpeedSamplingParams:
       path), ``is_normalized = True``. A sender that sends ``is_normalized = True`` must
       have derived (TokenSpeed keeps a normalized ``top_k = -1`` as -1).
 
-    :meth:`validation_error` mirrors ``SamplingParams.verify``; the engine turns a failure
-    into a terminal ``"abort"`` frame. Sequences are tuples; ``stop`` and ``stop_strs``
+    :func:`zmqdispatch.protocol.checks_tokenspeed.sampling_params_error` mirrors
+    ``SamplingParams.verify``; the engine turns a failure into a terminal ``"abort"`` frame. Sequences are tuples; ``stop`` and ``stop_strs``
     keep a lone ``str`` a ``str`` (it travels as one). An int given for a float field is
     stored as a float.
     """
@@ -369,7 +303,7 @@ class TokenSpeedSamplingParams:
     stop_str_max_len: int = _field(0, _k_int)
     is_normalized: bool = _field(False, _k_bool)
 
-    def derive(self) -> "TokenSpeedSamplingParams":
+    def derive(self) -> TokenSpeedSamplingParams:
         """What TokenSpeed's ``__post_init__`` makes of these values (run on every decode).
 
         A no-op when ``is_normalized``; idempotent otherwise.
@@ -388,13 +322,13 @@ class TokenSpeedSamplingParams:
         changes.update(temperature=temperature, top_k=top_k, seed=seed)
         return attrs.evolve(self, **changes)
 
-    def resolve_seed(self, rid: str) -> "TokenSpeedSamplingParams":
+    def resolve_seed(self, rid: str) -> TokenSpeedSamplingParams:
         """A nil seed becomes ``crc32(rid.encode("utf-8"))`` (so the rid fixes the random stream)."""
         if self.seed is not None:
             return self
         return attrs.evolve(self, seed=zlib.crc32(rid.encode("utf-8")) & 0xFFFFFFFF)
 
-    def normalize(self) -> "TokenSpeedSamplingParams":
+    def normalize(self) -> TokenSpeedSamplingParams:
         """:meth:`derive` then TokenSpeed's ``normalize(tokenizer=None)``; sets ``is_normalized``."""
         sp = self.derive()
         strs = sp.stop_strs
@@ -405,57 +339,8 @@ class TokenSpeedSamplingParams:
         max_len = max((len(s) for s in strs), default=0)
         return attrs.evolve(sp, stop_strs=strs, stop_str_max_len=max_len, is_normalized=True)
 
-    def validation_error(self, vocab_size: int | None = None) -> str | None:
-        """Why TokenSpeed's ``verify(vocab_size)`` refuses these values, or None.
-
-        Checks run on the values as they are (call on :meth:`derive`'d params to see
-        what the engine sees). ``vocab_size=None`` skips the ``logit_bias`` range check
-        but still requires integer keys >= 0.
-        """
-        if self.temperature < 0.0:
-            return f"temperature must be non-negative, got {self.temperature}"
-        if not 0.0 < self.top_p <= 1.0:
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if not 0.0 <= self.min_p <= 1.0:
-            return f"min_p must be in [0, 1], got {self.min_p}"
-        if self.top_k < -1 or self.top_k == 0:
-            return f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"
-        if self.top_k != TOP_K_DISABLED and self.top_k >= TOP_K_FUSED_MAX:
-            return f"top_k must be < {TOP_K_FUSED_MAX} (fused kernel limit) or -1, got {self.top_k}"
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
-        if not 0.0 <= self.repetition_penalty <= 2.0:
-            return f"repetition_penalty must be in [0, 2], got {self.repetition_penalty}"
-        if self.min_new_tokens < 0:
-            return f"min_new_tokens must be >= 0, got {self.min_new_tokens}"
-        if self.max_new_tokens is not None:
-            if self.max_new_tokens < 0:
-                return f"max_new_tokens must be >= 0, got {self.max_new_tokens}"
-            if self.min_new_tokens > self.max_new_tokens:
-                return f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
-        if self.logit_bias is not None:
-            for key in self.logit_bias:
-                try:
-                    token = int(key)  # TokenSpeed parses the string key with int()
-                except ValueError:
-                    return f"logit_bias key {key!r} is not a token id"
-                if token < 0 or (vocab_size is not None and token >= vocab_size):
-                    return f"logit_bias keys must be token ids in [0, vocab_size), got {key!r}"
-        if self.logprobs is not None and self.logprobs != 0:
-            return f"logprobs={self.logprobs} is not supported (only nil or 0)"
-        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
-            return "only one of json_schema, regex and ebnf can be set"
-        return None
-
-    def _to_wire(self) -> list:
+    def _to_wire(self) -> list[Any]:
         return _to_positional(self, "sampling_params")
-
-
-def _decode_sampling_params(v: Any) -> TokenSpeedSamplingParams:
-    sp = _positional(TokenSpeedSamplingParams, v, "sampling_params")
-    return sp.derive()  # msgspec runs __post_init__ on decode
 
 
 def _k_sampling_params(v: Any) -> TokenSpeedSamplingParams:
@@ -537,7 +422,7 @@ class TokenizedGenerateReqInput:
     input_multi_ids: tuple[tuple[int, ...], ...] | None = _field(
         None, _k_opt(_k_seq(_int_seq)), converter=_conv_nested_tuple
     )
-    input_extra_infos: tuple[dict, ...] | None = _field(None, _k_opt(_k_seq(_k_map)), converter=_conv_tuple)
+    input_extra_infos: tuple[dict[str, Any], ...] | None = _field(None, _k_opt(_k_seq(_k_map)), converter=_conv_tuple)
     input_ids_unpadded: tuple[int, ...] | None = _field(None, _k_opt(_int_seq), converter=_conv_tuple)
     multimodal_inputs: Any = _field(None, _k_multimodal)
     validation_error: str | None = _field(None, _opt_str)
@@ -547,19 +432,6 @@ class TokenizedGenerateReqInput:
 _REQUEST_SPEC = _spec(TokenizedGenerateReqInput)
 assert len(_REQUEST_SPEC) == REQUEST_ELEMENTS - 1
 assert len(_spec(TokenSpeedSamplingParams)) == SAMPLING_PARAMS_LEN
-
-
-def _prep(v: Any, aux: list) -> Any:
-    """Wire form of an opaque value, routing any Tensor inside through the tensor codec."""
-    if v is None or type(v) in (int, float, str, bool, bytes):
-        return v
-    if isinstance(v, Tensor):
-        return encode_tensor(v.dtype, v.shape, v.data, aux, torch=v.is_torch)
-    if isinstance(v, (list, tuple)):
-        return [_prep(x, aux) for x in v]
-    if isinstance(v, dict):
-        return {k: _prep(x, aux) for k, x in v.items()}
-    return v
 
 
 def encode_add(req: TokenizedGenerateReqInput, *, elements: int = REQUEST_ELEMENTS) -> list[bytes]:
@@ -582,7 +454,7 @@ def encode_add(req: TokenizedGenerateReqInput, *, elements: int = REQUEST_ELEMEN
         raise LocalProtocolError(f"elements must be in {REQUEST_MIN_ELEMENTS}..{REQUEST_ELEMENTS}, got {elements}")
     aux: list[Any] = []
     body: list[Any] = [REQUEST_TAG]
-    for i, (name, default, kind) in enumerate(_REQUEST_SPEC, start=1):
+    for i, (name, _wire, default, kind, _always) in enumerate(_REQUEST_SPEC, start=1):
         v = getattr(req, name)
         if i >= elements:
             if not _same(v, default):
@@ -605,59 +477,6 @@ def encode_add(req: TokenizedGenerateReqInput, *, elements: int = REQUEST_ELEMEN
     return [_pack(body), *aux]
 
 
-def decode_add(frames: Sequence[bytes]) -> TokenizedGenerateReqInput:
-    """Decode an ADD message ``[payload, *aux]`` the way TokenSpeed's typed decoder does.
-
-    Mirrors ``MsgpackDecoder(TokenizedGenerateReqInput)``: the tag must match, at least 6
-    elements (through ``sampling_params``), missing trailing fields take their defaults,
-    extra trailing elements (request and sampling array) are ignored, and the sampling
-    params come back :meth:`~TokenSpeedSamplingParams.derive`'d, as TokenSpeed's
-    ``__post_init__`` leaves them. It does not finalize (see :func:`finalize_add`).
-
-    One deliberate difference: TokenSpeed's decoder also admits a nil or list ``rid``,
-    whose finalization then fails (the frame is dropped); here a non-str ``rid`` is
-    refused outright.
-
-    Raises:
-        RemoteProtocolError: not msgpack, not a tagged array of >= 6 elements, a wrong
-            tag, a field of the wrong type (the message names it), a pickle ext type.
-    """
-    if not frames:
-        raise RemoteProtocolError("TokenizedGenerateReqInput: no payload frame")
-    for f in frames[1:]:
-        if len(f) > _limits.MAX_FRAME_BYTES:
-            raise RemoteProtocolError("TokenizedGenerateReqInput: aux frame exceeds MAX_FRAME_BYTES")
-    obj = _unpack(frames[0], "TokenizedGenerateReqInput")
-    if type(obj) is not tuple or not obj:
-        raise RemoteProtocolError("TokenizedGenerateReqInput: expected a tagged array")
-    if obj[0] != REQUEST_TAG or type(obj[0]) is not str:
-        raise RemoteProtocolError(f"wrong msgspec tag: expected {REQUEST_TAG!r}, got {obj[0]!r:.60}")
-    if len(obj) < REQUEST_MIN_ELEMENTS:
-        raise RemoteProtocolError(
-            f"TokenizedGenerateReqInput: missing positional field "
-            f"{_REQUEST_SPEC[len(obj) - 1][0]!r} (got {len(obj)} elements, need >= {REQUEST_MIN_ELEMENTS})"
-        )
-    try:
-        return _positional(
-            TokenizedGenerateReqInput,
-            obj[1:],
-            "TokenizedGenerateReqInput",
-            nested={"sampling_params": _nested_sampling},
-        )
-    except _Bad as exc:
-        raise RemoteProtocolError(str(exc)) from None
-
-
-def _nested_sampling(v: Any) -> TokenSpeedSamplingParams:
-    try:
-        return _decode_sampling_params(v)
-    except _Bad as exc:
-        msg = str(exc)
-        if not msg.startswith("sampling_params"):
-            msg = f"sampling_params: {msg}"
-        raise _Bad(f"TokenizedGenerateReqInput.{msg}") from None
-
-
 def finalize_add(req: TokenizedGenerateReqInput) -> TokenizedGenerateReqInput:
     """What TokenSpeed's msgpack transport does to a decoded ADD before admitting it.
 
@@ -672,74 +491,6 @@ def finalize_add(req: TokenizedGenerateReqInput) -> TokenizedGenerateReqInput:
     return attrs.evolve(req, **changes)
 
 
-def admission_error(
-    req: TokenizedGenerateReqInput,
-    *,
-    vocab_size: int | None,
-    enable_output_logprobs: bool = False,
-    supports_prompt_logprobs: bool = False,
-) -> str | None:
-    """Why TokenSpeed admits this (finalized) request pre-aborted, or None.
-
-    The checks of its ingress (``docs/tokenspeed-wire.md`` §1.9) in one place, for a mock
-    engine (which answers with one terminal ``"abort"`` frame carrying no tokens) and
-    for a client that wants a real error message first: a truthy ``validation_error``;
-    with ``return_logprob``: the server flag, ``top_logprobs_num != 0``, a non-empty
-    ``token_ids_logprob``, nil ``input_ids``, a ``logprob_start_len`` below -1, at or past
-    the prompt end, or asking for prompt logprobs (any start before the last prompt
-    token); then ``SamplingParams.verify``; then a non-nil ``session_params.id``. The
-    reason text never reaches the wire.
-    """
-    if req.validation_error:
-        return req.validation_error
-    if req.return_logprob:
-        if not enable_output_logprobs:
-            return "logprobs were requested but the engine runs without --enable-output-logprobs"
-        if req.top_logprobs_num:
-            return "top_logprobs_num != 0 (top-k output logprobs) is not supported"
-        if req.token_ids_logprob:
-            return "token_ids_logprob is not supported"
-        if req.input_ids is None:
-            return "return_logprob requires token inputs"
-        n = len(req.input_ids)
-        start = req.logprob_start_len
-        if start == -1:
-            start = max(n - 1, 0)
-        elif start < -1:
-            return f"logprob_start_len must be -1 or >= 0, got {start}"
-        elif start >= n:
-            return f"logprob_start_len ({start}) must be smaller than the prompt length ({n})"
-        if start < n - 1:
-            if not supports_prompt_logprobs:
-                return "prompt logprobs are not supported by this engine"
-            return "prompt logprobs are not carried on the msgpack output wire; use logprob_start_len=-1"
-    reason = req.sampling_params.validation_error(vocab_size)
-    if reason is not None:
-        return reason
-    if req.session_params is not None and req.session_params.id is not None:
-        return f"session id {req.session_params.id} does not exist"
-    return None
-
-
-def decode_input(frames: Sequence[bytes]) -> tuple[RequestType, TokenizedGenerateReqInput | tuple[str, ...]]:
-    """Decode one input message ``[type, payload, *aux]`` as TokenSpeed's receiver does.
-
-    ADD -> ``(RequestType.ADD, finalize_add(decode_add(...)))``; ABORT ->
-    ``(RequestType.ABORT, request_ids)``. For the mock engine, which must drop (log,
-    no reply) whatever this refuses.
-
-    Raises:
-        RemoteProtocolError: fewer than 2 frames, an unknown type byte, or a payload
-            that does not decode.
-    """
-    if len(frames) < 2:
-        raise RemoteProtocolError(f"TokenSpeed input needs >= 2 frames (type, payload), got {len(frames)}")
-    rtype = parse_request_type(frames[0])
-    if rtype is RequestType.ADD:
-        return rtype, finalize_add(decode_add(frames[1:]))
-    return rtype, decode_abort(frames[1])
-
-
 def encode_abort(request_ids: Sequence[str]) -> bytes:
     """ABORT payload: a msgpack array of request-id strings (``["r1"]`` -> ``91a27231``).
 
@@ -749,11 +500,6 @@ def encode_abort(request_ids: Sequence[str]) -> bytes:
     arrives later. Raises LocalProtocolError for a bare str or a non-str id.
     """
     return _vllm.encode_abort(request_ids)
-
-
-def decode_abort(payload: bytes) -> tuple[str, ...]:
-    """Decode an ABORT payload into request ids. Raises RemoteProtocolError."""
-    return _vllm.decode_abort(payload)
 
 
 # =========================================================================== outputs
@@ -881,10 +627,10 @@ _COLUMNS = (
 _SCALARS = ("engine_index", "num_running", "num_waiting", "kv_active_pages", "kv_total_pages")
 # _TAIL_PADS[n] pads an n-element batch (9 <= n < 14) to 14 with the defaults (0).
 _TAIL_PADS = {n: (0,) * (BATCH_ELEMENTS - n) for n in range(BATCH_MIN_ELEMENTS, BATCH_ELEMENTS)}
-_STR_T = {str}
-_INT_T = {int}
-_TUPLE_T = {tuple}
-_NUM_T = {int, float}
+_STR_T: set[type] = {str}
+_INT_T: set[type] = {int}
+_TUPLE_T: set[type] = {tuple}
+_NUM_T: set[type] = {int, float}
 
 
 def _bad_batch(what: str) -> RemoteProtocolError:
@@ -919,7 +665,7 @@ def _out_of_range(values: Callable[[], Any], bound: int) -> bool:
     return min(values(), default=0) < 0 or max(values(), default=0) > bound
 
 
-def _check_flat_column(name: str, col: Any, m: int, types: set, *, bound: int | None) -> None:
+def _check_flat_column(name: str, col: Any, m: int, types: set[type], *, bound: int | None) -> None:
     if type(col) is not tuple or len(col) != m:
         raise _bad_batch(f"{name}: expected an array of {m} elements (ragged columns), got "
                          f"{len(col) if type(col) is tuple else _tname(col)}")
@@ -931,7 +677,7 @@ def _check_flat_column(name: str, col: Any, m: int, types: set, *, bound: int | 
         raise _bad_batch(f"{name}[{i}]: {col[i]} is not in 0..{bound}")
 
 
-def _check_nested_column(name: str, col: Any, m: int, types: set, *, bound: int | None, max_len: int) -> None:
+def _check_nested_column(name: str, col: Any, m: int, types: set[type], *, bound: int | None, max_len: int) -> None:
     if type(col) is not tuple or len(col) != m:
         raise _bad_batch(f"{name}: expected an array of {m} elements (ragged columns), got "
                          f"{len(col) if type(col) is tuple else _tname(col)}")
@@ -1047,80 +793,7 @@ def _check_logprob_columns(lp_vals: Any, lp_ids: Any, m: int, max_tokens: int, m
         )
 
 
-def encode_outputs(batch: TokenSpeedBatch, *, elements: int = BATCH_ELEMENTS) -> list[bytes]:
-    """Encode one output message ``[payload]`` as TokenSpeed's ``MsgpackEncoder`` does.
-
-    For the mock engine and tests. ``elements`` 14 (0.1.1, the default), or 9 / 10 to
-    write a legacy prefix; the scalars a prefix leaves out must be 0. Logprob values
-    are written as float64. ``wire_elements`` is ignored.
-
-    Raises:
-        LocalProtocolError: ragged columns, values of the wrong type (or negative
-            counts/ids), a dropped non-zero scalar, or ``elements`` outside 9..14.
-    """
-    if not BATCH_MIN_ELEMENTS <= elements <= BATCH_ELEMENTS:
-        raise LocalProtocolError(f"elements must be in {BATCH_MIN_ELEMENTS}..{BATCH_ELEMENTS}, got {elements}")
-    m = len(batch.rids)
-    body: list[Any] = [BATCH_TAG]
-    try:
-        for name in _COLUMNS:
-            col = getattr(batch, name)
-            if type(col) not in (list, tuple) or len(col) != m:
-                raise _Bad(f"{name}: expected {m} entries like rids (ragged columns)")
-            if name in ("rids", "finished_reasons"):
-                body.append([_k_str(x) for x in col])
-            elif name in ("output_ids", "logprob_ids"):
-                body.append([[_nonneg(t) for t in _k_array(row)] for row in col])
-            elif name == "logprob_vals":
-                body.append([[_k_float(x) for x in _k_array(row)] for row in col])
-            else:
-                body.append([_nonneg(x) for x in col])
-        for row_v, row_i in zip(batch.logprob_vals, batch.logprob_ids):
-            if len(row_v) != len(row_i):
-                raise _Bad("logprob_vals and logprob_ids rows must have equal lengths")
-        for i, name in enumerate(_SCALARS, start=BATCH_MIN_ELEMENTS):
-            v = _nonneg(getattr(batch, name))
-            if i < elements:
-                body.append(v)
-            elif v != 0:
-                raise _Bad(f"{name} is {v} but a {elements}-element batch does not carry it")
-    except _Bad as exc:
-        raise LocalProtocolError(f"BatchTokenIDOutSlim.{exc}") from None
-    return [_pack(body)]
-
-
-def _nonneg(v: Any) -> int:
-    v = _k_int(v)
-    if v < 0:
-        raise _Bad(f"{v} is negative")
-    return v
-
-
 # =========================================================================== handshake
-
-# The handshake is vLLM's; these are the same functions (TokenSpeed's decoders accept
-# what they write, and they accept what TokenSpeed writes).
-decode_handshake_status = _vllm.decode_handshake_status
-encode_init = _vllm.encode_init
-decode_init = _vllm.decode_init
-EngineCoreReadyResponse = _vllm.EngineCoreReadyResponse
-
-
-def encode_hello() -> bytes:
-    """TokenSpeed's HELLO: ``{status: "HELLO", local: true, headless: true,
-    parallel_config_hash: nil}`` (4 keys, the nil hash included, unlike vLLM's 3-key map).
-    For the mock engine."""
-    return _pack({"status": "HELLO", "local": True, "headless": True, "parallel_config_hash": None})
-
-
-def encode_ready() -> bytes:
-    """TokenSpeed's READY map, shaped like :func:`encode_hello`. For the mock engine."""
-    return _pack({"status": "READY", "local": True, "headless": True, "parallel_config_hash": None})
-
-
-#: The only ``dtype`` values a TokenSpeed ready response carries (it refuses to start on
-#: anything else).
-READY_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 
 
 def decode_ready_response(payload: bytes) -> EngineCoreReadyResponse:
@@ -1131,7 +804,7 @@ def decode_ready_response(payload: bytes) -> EngineCoreReadyResponse:
     Note ``max_model_len`` is the model's context length, not what the cache admits.
     Raises RemoteProtocolError.
     """
-    return _vllm.decode_ready_response(payload)
+    return _handshake.decode_ready_response(payload)
 
 
 def is_tokenspeed(resp: EngineCoreReadyResponse) -> bool:
@@ -1139,49 +812,3 @@ def is_tokenspeed(resp: EngineCoreReadyResponse) -> bool:
     return resp.vllm_version.startswith("tokenspeed-")
 
 
-def encode_ready_response(resp: EngineCoreReadyResponse, *, multimodal_encoder_dtype: str | None = None) -> bytes:
-    """TokenSpeed 0.1.1's ready-response map (for the mock engine): 19 keys in its order.
-
-    Keys: ``max_model_len, num_gpu_blocks, prefix_granularity`` (= ``resp.block_size``),
-    ``dp_stats_address, dtype, multimodal_encoder_dtype, vllm_version, world_size,
-    data_parallel_size, tensor_parallel_size, pipeline_parallel_size,
-    decode_context_parallel_size, data_parallel_rank, max_num_seqs,
-    max_num_batched_tokens, instance_id, kv_cache_size_tokens,
-    kv_cache_max_concurrency, kv_events_config``. vLLM-only fields of ``resp``
-    (``supports_lora``...) are not written.
-
-    Raises:
-        LocalProtocolError: ``dtype`` outside :data:`READY_DTYPES`, a negative
-            ``max_num_batched_tokens`` (TokenSpeed clamps it to >= 0), or a value of
-            the wrong type.
-    """
-    if resp.dtype not in READY_DTYPES:
-        raise LocalProtocolError(f"ready response dtype must be one of {sorted(READY_DTYPES)}, got {resp.dtype!r}")
-    if resp.max_num_batched_tokens < 0:
-        raise LocalProtocolError("ready response max_num_batched_tokens must be >= 0 (0 = no cap)")
-    mcr = resp.kv_cache_max_concurrency
-    try:
-        body = {
-            "max_model_len": _k_int(resp.max_model_len),
-            "num_gpu_blocks": _k_int(resp.num_gpu_blocks),
-            "prefix_granularity": _k_int(resp.block_size),
-            "dp_stats_address": _opt_str(resp.dp_stats_address),
-            "dtype": resp.dtype,
-            "multimodal_encoder_dtype": _opt_str(multimodal_encoder_dtype),
-            "vllm_version": _k_str(resp.vllm_version),
-            "world_size": _k_int(resp.world_size),
-            "data_parallel_size": _k_int(resp.data_parallel_size),
-            "tensor_parallel_size": _k_int(resp.tensor_parallel_size),
-            "pipeline_parallel_size": _k_int(resp.pipeline_parallel_size),
-            "decode_context_parallel_size": _k_int(resp.decode_context_parallel_size),
-            "data_parallel_rank": _k_int(resp.data_parallel_rank),
-            "max_num_seqs": _k_int(resp.max_num_seqs),
-            "max_num_batched_tokens": _k_int(resp.max_num_batched_tokens),
-            "instance_id": _k_str(resp.instance_id),
-            "kv_cache_size_tokens": _opt_int(resp.kv_cache_size_tokens),
-            "kv_cache_max_concurrency": _k_opt(_k_float)(mcr),
-            "kv_events_config": _k_opt(_k_map)(resp.kv_events_config),
-        }
-    except _Bad as exc:
-        raise LocalProtocolError(f"ready response: {exc}") from None
-    return _pack(body)

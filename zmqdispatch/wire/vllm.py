@@ -1,10 +1,15 @@
-"""Sans-IO codec of the vLLM v1 EngineCore wire (vLLM 0.32.0; 0.33.0 tolerated).
+"""Client side of the vLLM v1 EngineCore wire (vLLM 0.32.0; 0.33.0 tolerated), sans-IO.
 
-Everything here turns typed values into frames and frames into typed values; nothing
-touches a socket. Sources of the format (facts, not code): ``docs/vllm-wire.md`` §5,
-and the golden vectors of vLLM's own encoder
-(``tests/wire/vectors/vllm_0.32.0.json``), which :func:`encode_request`,
-:func:`encode_outputs` and the handshake encoders reproduce byte for byte.
+What a front-end sends and reads, in one file: :func:`encode_request` (ADD),
+:func:`encode_abort`, :func:`encode_utility_call`, :func:`encode_start_dp_wave`, and
+:func:`decode_outputs` (the hot path, once per engine step). The engine's side of the
+same wire (decoding requests, encoding outputs: the mock engine, the benchmark engine,
+tests) is :mod:`zmqdispatch.wire.vllm_engine`; the handshake is
+:mod:`zmqdispatch.wire.vllm_handshake`; the field machinery both dialects share is
+:mod:`zmqdispatch.wire.schema`. Nothing here touches a socket. Sources of the format
+(facts, not code): ``docs/vllm-wire.md`` §5, and the golden vectors of vLLM's own
+encoder (``tests/wire/vectors/vllm_0.32.0.json``), which :func:`encode_request` and the
+engine-side encoders reproduce byte for byte.
 
 Wire rules in one place:
 
@@ -30,108 +35,96 @@ bytes that do not decode (the connection counts them); every encoder raises
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
-import cattrs
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
-from zmqdispatch.wire.tensors import Tensor, check_tensor, decode_tensor, encode_tensor
-from ._fields import (
+from zmqdispatch.wire.schema import (
     ENGINE_CORE_DEAD,
-    _unpack_output_message,
-    is_dead_sentinel,
     _Bad,
-    _tname,
-    _pack,
-    _unpack,
-    _k_any,
-    _k_int,
-    _k_float,
+    _conv_float,
+    _conv_nested_tuple,
+    _conv_tuple,
+    _field,
+    _int_seq,
     _k_bool,
-    _k_str,
+    _k_enum,
+    _k_float,
+    _k_int,
     _k_map,
     _k_opt,
     _k_seq,
-    _conv_float,
-    _conv_tuple,
-    _conv_nested_tuple,
+    _k_str,
+    _opt_int,
+    _pack,
+    _pack_omit_defaults_map,
+    _prep,
+    _spec,
+    _struct_from_map,
+    _struct_to_map,
+    _tname,
+    _to_wire,
+    _unpack_output_message,
+    _wrap_map_struct,
+    is_dead_sentinel,
+    msgpack_array_header,
 )
-
+from zmqdispatch.wire.tensors import Tensor, check_tensor, decode_tensor
 
 __all__ = [
-    # constants and enums
-    "RequestType",
     "ENGINE_CORE_DEAD",
-    "FinishReason",
-    "EventType",
-    "RequestOutputKind",
-    "parse_request_type",
-    # requests
-    "StructuredOutputsParams",
-    "RepetitionDetectionParams",
-    "SamplingParams",
-    "set_order",
-    "EngineCoreRequest",
-    "REQUEST_MIN_FIELDS",
-    "encode_request",
-    "decode_request",
-    "encode_abort",
-    "decode_abort",
-    "encode_start_dp_wave",
-    "decode_start_dp_wave",
-    "UtilityCall",
-    "encode_utility_call",
-    "decode_utility_call",
-    # outputs
-    "ROW_LEN",
-    "O_REQUEST_ID",
-    "O_NEW_TOKEN_IDS",
+    "OPAQUE_REQUEST_FIELDS",
+    "O_EC_TRANSFER_PARAMS",
+    "O_ERROR",
+    "O_EVENTS",
+    "O_FINISH_REASON",
+    "O_KV_TRANSFER_PARAMS",
+    "O_MM_CACHE_MISS_HASHES",
     "O_NEW_LOGPROBS",
     "O_NEW_PROMPT_LOGPROBS",
-    "O_POOLING_OUTPUT",
-    "O_FINISH_REASON",
-    "O_STOP_REASON",
-    "O_EVENTS",
-    "O_KV_TRANSFER_PARAMS",
-    "O_EC_TRANSFER_PARAMS",
-    "O_TRACE_HEADERS",
-    "O_PREFILL_STATS",
-    "O_ROUTED_EXPERTS",
-    "O_NUM_NANS",
-    "O_MM_CACHE_MISS_HASHES",
     "O_NEW_SAMPLING_MASK",
-    "O_SPEC_DECODE_METRICS",
+    "O_NEW_TOKEN_IDS",
+    "O_NUM_NANS",
+    "O_POOLING_OUTPUT",
+    "O_PREFILL_STATS",
     "O_PROMPT_TOKEN_ID_LOGPROBS",
-    "O_ERROR",
-    "output_error",
-    "UtilityResult",
-    "UtilityOutput",
+    "O_REQUEST_ID",
+    "O_ROUTED_EXPERTS",
+    "O_SPEC_DECODE_METRICS",
+    "O_STOP_REASON",
+    "O_TRACE_HEADERS",
+    "REQUEST_MIN_FIELDS",
+    # outputs
+    "ROW_LEN",
     "EngineCoreOutputs",
-    "is_dead_sentinel",
-    "decode_outputs",
+    "EngineCoreRequest",
+    "EventType",
+    "FinishReason",
     "LogprobsLists",
+    "RepetitionDetectionParams",
+    "RequestOutputKind",
+    # constants and enums
+    "RequestType",
+    "SamplingParams",
+    # requests
+    "StructuredOutputsParams",
+    "UtilityOutput",
+    "UtilityResult",
+    "check_opaque_value",
     "decode_logprobs_lists",
     "decode_logprobs_tensors",
-    "PrefillStats",
+    "decode_outputs",
+    "encode_abort",
+    "encode_request",
+    "encode_start_dp_wave",
+    "encode_utility_call",
+    "is_dead_sentinel",
     "msgpack_array_header",
-    "EngineCoreEvent",
-    "OutputError",
-    "EngineCoreOutput",
-    "encode_outputs",
-    "encode_utility_output",
-    # handshake
-    "HandshakeStatus",
-    "encode_hello",
-    "encode_ready",
-    "decode_handshake_status",
-    "HandshakeInit",
-    "encode_init",
-    "decode_init",
-    "EngineCoreReadyResponse",
-    "encode_ready_response",
-    "decode_ready_response",
+    "output_error",
+    "set_order",
 ]
 
 # =========================================================================== enums
@@ -156,8 +149,6 @@ class RequestType(enum.IntEnum):
 
 
 _TYPE_FRAMES = {t: bytes((t,)) for t in RequestType}
-
-#: The fatal-error sentinel: one raw 16-byte frame (not msgpack) on the output socket.
 
 
 class FinishReason(enum.IntEnum):
@@ -192,160 +183,19 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
-def parse_request_type(frame: bytes) -> RequestType:
-    """Read the request-type frame of an input message (used by the mock engine).
-
-    Raises:
-        RemoteProtocolError: the frame is not exactly one byte in 0..3.
-    """
-    if len(frame) != 1 or frame[0] > 3:
-        raise RemoteProtocolError(f"invalid request type frame {bytes(frame)[:8]!r}")
-    return RequestType(frame[0])
+# =========================================================================== vLLM-only kinds
 
 
-# =========================================================================== helpers
-
-
-def msgpack_array_header(n: int) -> bytes:
-    """The msgpack header of an *n*-element array (fixarray, array 16 or array 32)."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 0x10000:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
-def _pack_omit_defaults_map(m: dict) -> bytes:
-    # msgspec writes an omit_defaults Struct as a map with a map16 header ("de" + count)
-    # whatever the count, since it only knows the count after writing the fields (it
-    # patches the reserved header). Vectors: "de0006" for a 6-key SamplingParams where
-    # plain msgpack would write fixmap "86".
-    n = len(m)
-    head = b"\xde" + n.to_bytes(2, "big") if n < 0x10000 else b"\xdf" + n.to_bytes(4, "big")
-    return head + b"".join(_pack(k) + _pack(v) for k, v in m.items())
-
-
-
-
-
-
-# Field "kinds": each checks one decoded value and returns it normalised (or raises
-# _Bad). The same kinds validate what callers hand to the encoders, so a value that
-# encodes also decodes. bool is never accepted where an int is expected (msgspec
-# refuses it too), an int is accepted where a float is expected and widened.
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def _k_enum(cls: type[enum.IntEnum]) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        try:
-            return cls(_k_int(v))
-        except ValueError:
-            raise _Bad(f"{v!r} is not a valid {cls.__name__}") from None
-
-    return check
-
-
-def _k_str_or_strs(v: Any) -> tuple:
+def _k_str_or_strs(v: Any) -> tuple[str, ...]:
     # vLLM's stop / bad_words accept nil, a str or a list of str; __post_init__ lists them.
     if v is None:
         return ()
     return (v,) if type(v) is str else _k_seq(_k_str)(v)
 
 
-def _k_ids_or_nil(v: Any) -> tuple:
+def _k_ids_or_nil(v: Any) -> tuple[int, ...]:
     # stop_token_ids: nil becomes [] in vLLM's __post_init__.
     return () if v is None else _int_seq(v)
-
-
-_opt_int = _k_opt(_k_int)
-_int_seq = _k_seq(_k_int)
-
-
-def _to_wire(v: Any) -> Any:
-    """Plain msgpack-ready value: attrs wire types to maps, enums to ints, tuples to lists."""
-    if v is None or type(v) in (int, float, str, bool, bytes):
-        return v
-    to_map = getattr(v, "_to_wire", None)
-    if to_map is not None:
-        return to_map()
-    if isinstance(v, enum.IntEnum):
-        return int(v)
-    if isinstance(v, (list, tuple)):
-        return [_to_wire(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _to_wire(x) for k, x in v.items()}
-    return v
-
-
-def _field(default: Any = attrs.NOTHING, kind: Callable = _k_any, *, wire: str | None = None,
-           always: bool = False, converter: Callable | None = None) -> Any:
-    """attrs field carrying its wire key, value kind and "always written" flag."""
-    md = {"kind": kind, "wire": wire, "always": always}
-    return attrs.field(default=default, metadata=md, converter=converter)
-
-
-def _spec(cls: type) -> list[tuple[str, str, Any, Callable, bool]]:
-    """(attr name, wire key, default, kind, always) per field, in declaration order."""
-    cached = cls.__dict__.get("_wire_spec_cache")
-    if cached is None:
-        cached = [
-            (f.name, f.metadata.get("wire") or f.name, f.default, f.metadata["kind"], f.metadata.get("always", False))
-            for f in attrs.fields(cls)
-        ]
-        type.__setattr__(cls, "_wire_spec_cache", cached)
-    return cached
-
-
-def _struct_from_map(cls: type, m: Any) -> Any:
-    """A map-encoded struct: known keys checked, unknown keys ignored, missing keys
-    defaulted (a missing key without a default is an error). Raises _Bad."""
-    if type(m) is not dict:
-        raise _Bad(f"expected a map, got {_tname(m)}")
-    kwargs = {}
-    for name, wire, default, kind, _always in _spec(cls):
-        if wire in m:
-            try:
-                kwargs[name] = kind(m[wire])
-            except _Bad as exc:
-                raise _Bad(f"{wire}: {exc}") from None
-        elif default is attrs.NOTHING:
-            raise _Bad(f"{wire}: missing")
-    return cls(**kwargs)
-
-
-def _struct_to_map(obj: Any, *, omit_defaults: bool) -> dict:
-    """The map form of a wire struct, in declaration order. Raises _Bad."""
-    out = {}
-    for name, wire, default, kind, always in _spec(type(obj)):
-        v = getattr(obj, name)
-        try:
-            v = kind(v)
-            if omit_defaults and not always and v == default and type(v) is type(default):
-                continue
-            out[wire] = _to_wire(v)
-        except _Bad as exc:
-            raise _Bad(f"{wire}: {exc}") from None
-    return out
-
-
-
-
 
 
 def _conv_tuple_or_empty(v: Any) -> Any:
@@ -357,20 +207,8 @@ def _conv_tuple_or_empty(v: Any) -> Any:
     return _conv_tuple(v)
 
 
-
-
 def _conv_logit_bias(v: Any) -> Any:
     return {k: _conv_float(x) for k, x in v.items()} if isinstance(v, dict) else v
-
-
-def _wrap_map_struct(cls: type, what: str) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        if isinstance(v, cls):
-            return v
-        return _struct_from_map(cls, v)
-
-    check.__name__ = f"_k_{what}"
-    return check
 
 
 # =========================================================================== SamplingParams
@@ -387,7 +225,7 @@ class StructuredOutputsParams:
     should be set; the engine checks that, not the codec.
     """
 
-    json: str | dict | None = _field(None, _k_opt(lambda v: v if type(v) in (str, dict) else _k_str(v)))
+    json: str | dict[str, Any] | None = _field(None, _k_opt(lambda v: v if type(v) in (str, dict) else _k_str(v)))
     regex: str | None = _field(None, _k_opt(_k_str))
     choice: tuple[str, ...] | None = _field(None, _k_opt(_k_seq(_k_str)), converter=_conv_tuple)
     grammar: str | None = _field(None, _k_opt(_k_str))
@@ -399,7 +237,7 @@ class StructuredOutputsParams:
     backend: str | None = _field(None, _k_opt(_k_str), wire="_backend")
     backend_was_auto: bool = _field(False, _k_bool, wire="_backend_was_auto")
 
-    def _to_wire(self) -> dict:
+    def _to_wire(self) -> dict[str, Any]:
         return _struct_to_map(self, omit_defaults=False)
 
 
@@ -417,11 +255,11 @@ class RepetitionDetectionParams:
     min_pattern_size: int = _field(kind=_k_int)
     min_count: int = _field(kind=_k_int)
 
-    def _to_wire(self) -> dict:
+    def _to_wire(self) -> dict[str, Any]:
         return _struct_to_map(self, omit_defaults=False)
 
 
-def _k_logit_bias(v: Any) -> dict:
+def _k_logit_bias(v: Any) -> dict[int, float]:
     if type(v) is not dict:
         raise _Bad(f"expected a map, got {_tname(v)}")
     out = {}
@@ -510,7 +348,7 @@ class SamplingParams:
         if self.skip_reading_prefix_cache is None:
             object.__setattr__(self, "skip_reading_prefix_cache", self.prompt_logprobs is not None)
 
-    def _to_wire(self) -> dict:
+    def _to_wire(self) -> dict[str, Any]:
         return _struct_to_map(self, omit_defaults=True)
 
 
@@ -585,20 +423,6 @@ class EngineCoreRequest:
 #: Fields of EngineCoreRequest a decoder requires (msgspec: those without a default).
 REQUEST_MIN_FIELDS = 9
 _REQUEST_FIELDS = [f.name for f in attrs.fields(EngineCoreRequest)]
-
-
-def _prep(v: Any, aux: list) -> Any:
-    """Wire form of an opaque field value, routing any Tensor inside through the codec."""
-    if v is None or type(v) in (int, float, str, bool):
-        return v
-    if isinstance(v, Tensor):
-        return encode_tensor(v.dtype, v.shape, v.data, aux, torch=v.is_torch)
-    if isinstance(v, (list, tuple)):
-        return [_prep(x, aux) for x in v]
-    if isinstance(v, dict):
-        return {k: _prep(x, aux) for k, x in v.items()}
-    return _to_wire(v)
-
 
 #: EngineCoreRequest fields we carry without interpreting them (decoded msgpack
 #: values; a :class:`Tensor` anywhere inside goes through the tensor codec).
@@ -680,40 +504,6 @@ def encode_request(req: EngineCoreRequest) -> list[bytes]:
     return [b"".join(parts), *aux]
 
 
-def decode_request(frames: Sequence[bytes]) -> EngineCoreRequest:
-    """Decode an ADD message ``[payload, *aux]`` the way vLLM's typed decoder does.
-
-    Accepts 9..22 elements (missing trailing fields take their defaults) and ignores
-    elements past the 22nd; ``sampling_params`` keys that are unknown are ignored and
-    missing ones defaulted. Used by the mock engine, which must refuse what the real
-    engine refuses.
-
-    Raises:
-        RemoteProtocolError: not msgpack, not an array of >= 9, a field of the wrong type
-            (the message names it: ``EngineCoreRequest.sampling_params: top_k: expected an
-            int, got float``), a bad ``prompt_embeds`` tensor, a pickle ext type.
-    """
-    if not frames:
-        raise RemoteProtocolError("EngineCoreRequest: no payload frame")
-    for f in frames[1:]:
-        if len(f) > _limits.MAX_FRAME_BYTES:
-            raise RemoteProtocolError("EngineCoreRequest: aux frame exceeds MAX_FRAME_BYTES")
-    obj = _unpack(frames[0], "EngineCoreRequest")
-    if type(obj) is not list or len(obj) < REQUEST_MIN_FIELDS:
-        raise RemoteProtocolError(
-            f"EngineCoreRequest: expected an array of >= {REQUEST_MIN_FIELDS} elements"
-        )
-    kwargs: dict[str, Any] = {}
-    for (name, _wire, _default, kind, _always), v in zip(_spec(EngineCoreRequest), obj):
-        if name == "prompt_embeds" and v is not None:
-            v = decode_tensor(v, frames, field="prompt_embeds")
-        try:
-            kwargs[name] = kind(v)
-        except _Bad as exc:
-            raise RemoteProtocolError(f"EngineCoreRequest.{name}: {exc}") from None
-    return EngineCoreRequest(**kwargs)
-
-
 def encode_abort(request_ids: Sequence[str]) -> bytes:
     """ABORT payload: a msgpack array of request-id strings (send after ``RequestType.ABORT.frame``).
 
@@ -730,14 +520,6 @@ def encode_abort(request_ids: Sequence[str]) -> bytes:
     return _pack(ids)
 
 
-def decode_abort(payload: bytes) -> tuple[str, ...]:
-    """Decode an ABORT payload into request ids. Raises RemoteProtocolError."""
-    obj = _unpack(payload, "ABORT")
-    if type(obj) is not list or not all(type(r) is str for r in obj):
-        raise RemoteProtocolError("ABORT: expected an array of str request ids")
-    return tuple(obj)
-
-
 def encode_start_dp_wave(wave: int, exclude_engine_index: int | None = None) -> bytes:
     """START_DP_WAVE payload ``[wave, exclude_engine_index|nil]`` (MoE data parallel only)."""
     try:
@@ -745,30 +527,6 @@ def encode_start_dp_wave(wave: int, exclude_engine_index: int | None = None) -> 
     except _Bad as exc:
         raise LocalProtocolError(f"START_DP_WAVE: {exc}") from None
     return _pack(body)
-
-
-def decode_start_dp_wave(payload: bytes) -> tuple[int, int | None]:
-    """Decode ``[wave, exclude_engine_index|nil]``. Raises RemoteProtocolError."""
-    obj = _unpack(payload, "START_DP_WAVE")
-    if type(obj) is not list or len(obj) != 2 or type(obj[0]) is not int or (
-        obj[1] is not None and type(obj[1]) is not int
-    ):
-        raise RemoteProtocolError("START_DP_WAVE: expected [int, int|nil]")
-    return obj[0], obj[1]
-
-
-@attrs.frozen(kw_only=True)
-class UtilityCall:
-    """A decoded UTILITY request ``[client_index, call_id, method, args]``.
-
-    The engine calls ``getattr(engine_core, method)(*args)`` and answers on the output
-    socket of ``client_index`` with a :class:`UtilityOutput` carrying ``call_id``.
-    """
-
-    client_index: int
-    call_id: int
-    method: str
-    args: tuple[Any, ...]
 
 
 def encode_utility_call(client_index: int, call_id: int, method: str, args: Sequence[Any] = ()) -> bytes:
@@ -783,21 +541,6 @@ def encode_utility_call(client_index: int, call_id: int, method: str, args: Sequ
     except _Bad as exc:
         raise LocalProtocolError(f"UTILITY: {exc}") from None
     return _pack(body)
-
-
-def decode_utility_call(payload: bytes) -> UtilityCall:
-    """Decode a UTILITY payload. Raises RemoteProtocolError."""
-    obj = _unpack(payload, "UTILITY")
-    if (
-        type(obj) is not list
-        or len(obj) != 4
-        or type(obj[0]) is not int
-        or type(obj[1]) is not int
-        or type(obj[2]) is not str
-        or type(obj[3]) is not list
-    ):
-        raise RemoteProtocolError("UTILITY: expected [client_index, call_id, method, args]")
-    return UtilityCall(client_index=obj[0], call_id=obj[1], method=obj[2], args=tuple(obj[3]))
 
 
 # =========================================================================== outputs
@@ -868,7 +611,7 @@ class UtilityOutput:
     failure_message: str | None = None
     result: UtilityResult | None = None
 
-    def _to_wire(self) -> list:
+    def _to_wire(self) -> list[Any]:
         result = None if self.result is None else [_to_wire(self.result.type_info), _to_wire(self.result.value)]
         return [_k_int(self.call_id), _k_opt(_k_str)(self.failure_message), result]
 
@@ -915,7 +658,7 @@ class EngineCoreOutputs:
 
     engine_index: int = 0
     outputs: tuple[tuple[Any, ...], ...] = ()
-    scheduler_stats: dict | None = None
+    scheduler_stats: dict[str, Any] | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     finished_requests: tuple[str, ...] | None = None
@@ -970,9 +713,8 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
         timestamp = float(timestamp)
     if utility is not None:
         utility = _decode_utility_output(utility)
-    if finished is not None:
-        if type(finished) is not tuple or not all(type(r) is str for r in finished):
-            raise RemoteProtocolError("EngineCoreOutputs.finished_requests: expected an array of str or nil")
+    if finished is not None and (type(finished) is not tuple or not all(type(r) is str for r in finished)):
+        raise RemoteProtocolError("EngineCoreOutputs.finished_requests: expected an array of str or nil")
     if wave_complete is not None and type(wave_complete) is not int:
         raise RemoteProtocolError("EngineCoreOutputs.wave_complete: expected an int or nil")
     if start_wave is not None and type(start_wave) is not int:
@@ -1063,7 +805,7 @@ def _row_problem(row: Any, max_tokens: int, max_id: int) -> Any:
     return row
 
 
-def _prefill_stats_ok(ps: dict, max_count: int) -> bool:
+def _prefill_stats_ok(ps: dict[Any, Any], max_count: int) -> bool:
     for key in ("num_prompt_tokens", "num_cached_tokens"):
         v = ps.get(key)
         if v is not None and (type(v) is not int or v < 0 or v > max_count):
@@ -1136,479 +878,3 @@ def decode_logprobs_tensors(raw: Any, frames: Sequence[bytes]) -> LogprobsLists:
     return _decode_logprobs(raw, frames, "new_prompt_logprobs_tensors")
 
 
-def _encode_logprobs(lp: LogprobsLists, aux: list, *, tensors: bool) -> list:
-    rows = len(lp.token_ids)
-    cols = len(lp.token_ids[0]) if rows else 0
-    if len(lp.logprobs) != rows or len(lp.ranks) != rows or any(
-        len(r) != cols for r in lp.token_ids
-    ) or any(len(r) != cols for r in lp.logprobs):
-        raise LocalProtocolError("LogprobsLists: token_ids, logprobs and ranks must be [n, k+1], [n, k+1], [n]")
-    ids = Tensor.from_values("int32", (rows, cols), [t for r in lp.token_ids for t in r])
-    lps = Tensor.from_values("float32", (rows, cols), [x for r in lp.logprobs for x in r])
-    # vLLM's sampler gives int64 ranks for sample logprobs, int32 for prompt logprobs.
-    ranks = Tensor.from_values("int32" if tensors else "int64", (rows,), lp.ranks)
-    body = [
-        encode_tensor(t.dtype, t.shape, t.data, aux, torch=tensors) for t in (ids, lps, ranks)
-    ]
-    cu = None if lp.cu_num_generated_tokens is None else list(lp.cu_num_generated_tokens)
-    body.append(cu)
-    if tensors:
-        body.append(None)  # cu_num_generated_tokens_tensor
-    return body
-
-
-# --------------------------------------------------------------------------- output structs
-
-
-@attrs.frozen(kw_only=True)
-class PrefillStats:
-    """``EngineCoreOutput.prefill_stats`` (a full map), sent on a request's first output.
-
-    All counts are prompt tokens; ``num_cached_tokens`` is the prefix-cache hit (0.32.0
-    has no top-level ``num_cached_tokens``).
-    """
-
-    num_prompt_tokens: int = _field(0, _k_int)
-    num_computed_tokens: int = _field(0, _k_int)
-    num_cached_tokens: int = _field(0, _k_int)
-    num_local_cached_tokens: int = _field(0, _k_int)
-    num_external_cached_tokens: int = _field(0, _k_int)
-    num_cache_creation_tokens: int = _field(0, _k_int)
-
-    def _to_wire(self) -> dict:
-        return _struct_to_map(self, omit_defaults=False)
-
-
-@attrs.frozen(kw_only=True)
-class EngineCoreEvent:
-    """``EngineCoreOutput.events`` entry ``{"type": 1|2|3, "timestamp": monotonic float}``."""
-
-    type: EventType = _field(kind=_k_enum(EventType))
-    timestamp: float = _field(kind=_k_float, converter=_conv_float)
-
-    def _to_wire(self) -> dict:
-        return _struct_to_map(self, omit_defaults=False)
-
-
-@attrs.frozen(kw_only=True)
-class OutputError:
-    """vLLM 0.33.0 ``EngineCoreOutput.error`` (``RequestError`` dataclass, full map).
-
-    Comes with ``FinishReason.ERROR``; codes seen: ``"validation_error"`` (not
-    retryable), ``"engine_paused"`` (retryable).
-    """
-
-    code: str = _field(kind=_k_str)
-    message: str = _field(kind=_k_str)
-    retryable: bool = _field(kind=_k_bool)
-
-    def _to_wire(self) -> dict:
-        return _struct_to_map(self, omit_defaults=False)
-
-
-@attrs.define(kw_only=True, slots=True)
-class EngineCoreOutput:
-    """One request's output of one step (vLLM 0.32.0 ``EngineCoreOutput``, 18 fields).
-
-    Used to *encode* outputs (mock engine, tests) and by :meth:`from_row` for a typed
-    view of a decoded row; the router reads raw rows instead. ``new_token_ids`` holds
-    only this step's tokens. ``pooling_output``, ``routed_experts`` and
-    ``prompt_token_id_logprobs`` take :class:`Tensor` values. ``error`` is vLLM 0.33.0's
-    19th element; it is only written when :func:`encode_outputs` is told
-    ``vllm_version="0.33.0"``.
-    """
-
-    request_id: str
-    new_token_ids: Sequence[int] = attrs.field(default=(), converter=_conv_tuple)
-    new_logprobs: LogprobsLists | None = None
-    new_prompt_logprobs_tensors: LogprobsLists | None = None
-    pooling_output: Any = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    events: Sequence[EngineCoreEvent] | None = attrs.field(default=None, converter=_conv_tuple)
-    kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None = None
-    trace_headers: dict[str, str] | None = None
-    prefill_stats: PrefillStats | None = None
-    routed_experts: Any = None
-    num_nans_in_logits: int = 0
-    mm_cache_miss_hashes: Sequence[str] | None = attrs.field(default=None, converter=_conv_tuple)
-    new_sampling_mask: Any = None
-    spec_decode_metrics: Any = None
-    prompt_token_id_logprobs: Any = None
-    error: OutputError | None = None
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any], frames: Sequence[bytes]) -> "EngineCoreOutput":
-        """Typed view of a raw row from :func:`decode_outputs` (not for the hot path).
-
-        Logprobs become :class:`LogprobsLists`, tensors :class:`Tensor`, maps their attrs
-        types. Raises RemoteProtocolError for a malformed field.
-        """
-        if len(row) < 2:
-            raise RemoteProtocolError("EngineCoreOutput: expected >= 2 elements")
-        row = tuple(row) + _ROW_DEFAULTS[len(row):]
-
-        def typed(name: str, conv: Callable[[Any], Any], v: Any) -> Any:
-            if v is None:
-                return None
-            try:
-                return conv(v)
-            except _Bad as exc:
-                raise RemoteProtocolError(f"EngineCoreOutput.{name}: {exc}") from None
-
-        def tensor(name: str, v: Any) -> Any:
-            return None if v is None else decode_tensor(v, frames, field=name)
-
-        events = typed(
-            "events", lambda v: [_struct_from_map(EngineCoreEvent, e) for e in _k_seq(_k_any)(v)], row[O_EVENTS]
-        )
-        fr = row[O_FINISH_REASON]
-        return cls(
-            request_id=row[O_REQUEST_ID],
-            new_token_ids=row[O_NEW_TOKEN_IDS],
-            new_logprobs=None if row[2] is None else decode_logprobs_lists(row[2], frames),
-            new_prompt_logprobs_tensors=None if row[3] is None else decode_logprobs_tensors(row[3], frames),
-            pooling_output=tensor("pooling_output", row[O_POOLING_OUTPUT]),
-            finish_reason=None if fr is None else FinishReason(fr),
-            stop_reason=row[O_STOP_REASON],
-            events=events,
-            kv_transfer_params=row[O_KV_TRANSFER_PARAMS],
-            ec_transfer_params=row[O_EC_TRANSFER_PARAMS],
-            trace_headers=row[O_TRACE_HEADERS],
-            prefill_stats=typed("prefill_stats", lambda v: _struct_from_map(PrefillStats, v), row[O_PREFILL_STATS]),
-            routed_experts=tensor("routed_experts", row[O_ROUTED_EXPERTS]),
-            num_nans_in_logits=typed("num_nans_in_logits", _k_int, row[O_NUM_NANS]),
-            mm_cache_miss_hashes=row[O_MM_CACHE_MISS_HASHES],
-            new_sampling_mask=row[O_NEW_SAMPLING_MASK],
-            spec_decode_metrics=row[O_SPEC_DECODE_METRICS],
-            prompt_token_id_logprobs=tensor("prompt_token_id_logprobs", row[O_PROMPT_TOKEN_ID_LOGPROBS]),
-            error=typed("error", lambda v: _struct_from_map(OutputError, v), output_error(row)),
-        )
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for p in version.split(".")[:2]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-def _encode_output(o: EngineCoreOutput, aux: list, with_error: bool) -> list:
-    if type(o.request_id) is not str:
-        raise LocalProtocolError(f"EngineCoreOutput.request_id: expected a str, got {_tname(o.request_id)}")
-    try:
-        toks = list(_int_seq(o.new_token_ids))
-        fr = None if o.finish_reason is None else int(_k_enum(FinishReason)(o.finish_reason))
-        if o.stop_reason is not None and type(o.stop_reason) is not str:
-            _k_int(o.stop_reason)
-        nans = _k_int(o.num_nans_in_logits)
-    except _Bad as exc:
-        raise LocalProtocolError(f"EngineCoreOutput({o.request_id!r}): {exc}") from None
-    if o.error is not None and not with_error:
-        raise LocalProtocolError("EngineCoreOutput.error exists only on the vLLM >= 0.33 wire")
-    row = [
-        o.request_id,
-        toks,
-        None if o.new_logprobs is None else _encode_logprobs(o.new_logprobs, aux, tensors=False),
-        None
-        if o.new_prompt_logprobs_tensors is None
-        else _encode_logprobs(o.new_prompt_logprobs_tensors, aux, tensors=True),
-        _prep(o.pooling_output, aux),
-        fr,
-        _to_wire(o.stop_reason),
-        _to_wire(o.events),
-        _prep(o.kv_transfer_params, aux),
-        _prep(o.ec_transfer_params, aux),
-        _prep(o.trace_headers, aux),
-        _to_wire(o.prefill_stats),
-        _prep(o.routed_experts, aux),
-        nans,
-        _to_wire(o.mm_cache_miss_hashes),
-        _prep(o.new_sampling_mask, aux),
-        _prep(o.spec_decode_metrics, aux),
-        _prep(o.prompt_token_id_logprobs, aux),
-    ]
-    if with_error:
-        row.append(_to_wire(o.error))
-    return row
-
-
-def encode_outputs(
-    engine_index: int,
-    outputs: Sequence[EngineCoreOutput],
-    *,
-    timestamp: float,
-    scheduler_stats: dict[str, Any] | None = None,
-    utility_output: UtilityOutput | None = None,
-    finished_requests: Iterable[str] | None = None,
-    wave_complete: int | None = None,
-    start_wave: int | None = None,
-    weight_version: str | None = None,
-    vllm_version: str = "0.32.0",
-) -> list[bytes]:
-    """Encode one output message ``[payload, *aux]`` as vLLM's ``MsgpackEncoder`` does.
-
-    For the mock engine and tests. The payload is the 9-element ``EngineCoreOutputs``
-    array; each output an 18-element array (19 with the trailing ``error`` when
-    ``vllm_version`` is 0.33 or newer). Sample logprobs are written as numpy arrays
-    (``"<i4"``, ``"<f4"``, ``"<i8"``), prompt logprobs as torch tensors (``"int32"``,
-    ``"float32"``, ``"int32"``); any array of 256 bytes or more goes to an aux frame,
-    indexes counted across the whole message. ``timestamp`` is engine-monotonic
-    seconds; vLLM sets ``weight_version="default"`` on step outputs only.
-    ``finished_requests`` is written in the order given (vLLM: set order).
-
-    Raises:
-        LocalProtocolError: a value of the wrong type, or ``error`` set on a 0.32 wire.
-    """
-    with_error = _version_tuple(vllm_version) >= (0, 33)
-    aux: list[Any] = []
-    rows = [_encode_output(o, aux, with_error) for o in outputs]
-    try:
-        body = [
-            _k_int(engine_index),
-            rows,
-            _prep(scheduler_stats, aux),
-            _k_float(timestamp),
-            None if utility_output is None else utility_output._to_wire(),
-            None if finished_requests is None else list(_k_seq(_k_str)(list(finished_requests))),
-            _opt_int(wave_complete),
-            _opt_int(start_wave),
-            _k_opt(_k_str)(weight_version),
-        ]
-    except _Bad as exc:
-        raise LocalProtocolError(f"EngineCoreOutputs: {exc}") from None
-    return [_pack(body), *aux]
-
-
-def encode_utility_output(engine_index: int, output: UtilityOutput, *, timestamp: float) -> list[bytes]:
-    """Encode the reply to a UTILITY call: an EngineCoreOutputs with only ``utility_output``.
-
-    ``output.result`` is ``UtilityResult(value)`` for a successful call (``None`` values
-    included: ``[nil, nil]``), ``None`` when ``failure_message`` is set.
-    """
-    return encode_outputs(engine_index, (), timestamp=timestamp, utility_output=output)
-
-
-# =========================================================================== handshake
-
-
-@attrs.frozen(kw_only=True)
-class HandshakeStatus:
-    """HELLO / READY on the handshake socket (engine -> front-end), a plain map.
-
-    ``local=True, headless=False`` for a co-located engine, ``local=False,
-    headless=True`` for ``vllm serve --headless``. ``parallel_config_hash`` only with
-    MoE DP > 1. Extra keys (elastic EP) are ignored.
-    """
-
-    status: str
-    local: bool = False
-    headless: bool = False
-    parallel_config_hash: str | None = None
-
-
-def _encode_status(status: str, local: bool, headless: bool, parallel_config_hash: str | None) -> bytes:
-    try:
-        body: dict[str, Any] = {"status": status, "local": _k_bool(local), "headless": _k_bool(headless)}
-        if parallel_config_hash is not None:
-            body["parallel_config_hash"] = _k_str(parallel_config_hash)
-    except _Bad as exc:
-        raise LocalProtocolError(f"handshake {status}: {exc}") from None
-    return _pack(body)
-
-
-def encode_hello(local: bool, headless: bool) -> bytes:
-    """HELLO map ``{"status": "HELLO", "local": .., "headless": ..}`` (plain msgspec map)."""
-    return _encode_status("HELLO", local, headless, None)
-
-
-def encode_ready(local: bool, headless: bool, parallel_config_hash: str | None = None) -> bytes:
-    """READY map; ``parallel_config_hash`` is only added when given (MoE DP > 1)."""
-    return _encode_status("READY", local, headless, parallel_config_hash)
-
-
-def decode_handshake_status(payload: bytes) -> HandshakeStatus:
-    """Decode HELLO/READY. ``status`` is required; ``local``/``headless`` default False.
-
-    Raises:
-        RemoteProtocolError: not a map, no str ``status``, or a key of the wrong type.
-    """
-    obj = _unpack(payload, "handshake message")
-    if type(obj) is not dict:
-        raise RemoteProtocolError("handshake message: expected a map")
-    status = obj.get("status")
-    if type(status) is not str:
-        raise RemoteProtocolError("handshake message: missing str 'status'")
-    try:
-        local = _k_bool(obj.get("local", False))
-        headless = _k_bool(obj.get("headless", False))
-        pch = _k_opt(_k_str)(obj.get("parallel_config_hash"))
-    except _Bad as exc:
-        raise RemoteProtocolError(f"handshake message: {exc}") from None
-    return HandshakeStatus(status=status, local=local, headless=headless, parallel_config_hash=pch)
-
-
-@attrs.frozen(kw_only=True)
-class HandshakeInit:
-    """The front-end's reply to HELLO (vLLM ``EngineHandshakeMetadata``).
-
-    ``inputs[i]`` / ``outputs[i]`` are the sockets of front-end client i (an engine's
-    ``client_index`` selects ``outputs[i]``); ``parallel_config`` is ``{}`` except for
-    MoE DP.
-    """
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    coordinator_input: str | None = None
-    coordinator_output: str | None = None
-    frontend_stats_publish_address: str | None = None
-    parallel_config: dict[str, Any] = attrs.field(factory=dict)
-
-
-def encode_init(
-    inputs: Sequence[str],
-    outputs: Sequence[str],
-    coordinator_input: str | None = None,
-    coordinator_output: str | None = None,
-    frontend_stats_publish_address: str | None = None,
-    parallel_config: dict[str, Any] | None = None,
-) -> bytes:
-    """INIT map ``{"addresses": {inputs, outputs, coordinator_input, coordinator_output,
-    frontend_stats_publish_address}, "parallel_config": {...}}``, all keys written.
-
-    Raises LocalProtocolError for non-str addresses.
-    """
-    try:
-        addresses = {
-            "inputs": list(_k_seq(_k_str)(list(inputs))),
-            "outputs": list(_k_seq(_k_str)(list(outputs))),
-            "coordinator_input": _k_opt(_k_str)(coordinator_input),
-            "coordinator_output": _k_opt(_k_str)(coordinator_output),
-            "frontend_stats_publish_address": _k_opt(_k_str)(frontend_stats_publish_address),
-        }
-        pc = _k_map({} if parallel_config is None else parallel_config)
-    except _Bad as exc:
-        raise LocalProtocolError(f"handshake INIT: {exc}") from None
-    return _pack({"addresses": addresses, "parallel_config": pc})
-
-
-def decode_init(payload: bytes) -> HandshakeInit:
-    """Decode INIT (used by the mock engine). ``addresses.inputs``/``outputs`` required.
-
-    Raises RemoteProtocolError.
-    """
-    obj = _unpack(payload, "handshake INIT")
-    addr = obj.get("addresses") if type(obj) is dict else None
-    if type(addr) is not dict:
-        raise RemoteProtocolError("handshake INIT: expected a map with an 'addresses' map")
-    try:
-        return HandshakeInit(
-            inputs=_k_seq(_k_str)(addr.get("inputs")),
-            outputs=_k_seq(_k_str)(addr.get("outputs")),
-            coordinator_input=_k_opt(_k_str)(addr.get("coordinator_input")),
-            coordinator_output=_k_opt(_k_str)(addr.get("coordinator_output")),
-            frontend_stats_publish_address=_k_opt(_k_str)(addr.get("frontend_stats_publish_address")),
-            parallel_config=_k_map(obj.get("parallel_config", {})),
-        )
-    except _Bad as exc:
-        raise RemoteProtocolError(f"handshake INIT: {exc}") from None
-
-
-def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
-
-
-@attrs.frozen(kw_only=True)
-class EngineCoreReadyResponse:
-    """The engine's first message on each input socket (vLLM ``EngineCoreReadyResponse``).
-
-    A full map, in this field order (vLLM 0.32.0, byte-checked against a real engine).
-    ``max_model_len`` (tokens, > 0) is the only required key: it bounds prompt +
-    ``max_tokens``. Missing keys take the defaults below, unknown keys (0.33.0's
-    ``coord_store_port``/``coordinator_*_address``, TokenSpeed's extras) are ignored,
-    and TokenSpeed's ``prefix_granularity`` is read as ``block_size``.
-    ``data_parallel_size > 1`` means MoE lock-step waves. ``max_num_batched_tokens`` is
-    signed (TokenSpeed sends -1).
-    """
-
-    max_model_len: int = attrs.field(validator=_positive)
-    num_gpu_blocks: int = 0
-    block_size: int = 0
-    dp_stats_address: str | None = None
-    dtype: str = ""
-    vllm_version: str = ""
-    world_size: int = 1
-    data_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    decode_context_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    instance_id: str = ""
-    supports_lora: bool = False
-    max_loras: int = 0
-    mamba_block_size: int | None = None
-    kv_cache_size_tokens: int | None = None
-    kv_cache_max_concurrency: float | None = None
-    kv_events_config: dict[str, Any] | None = None
-    weight_transfer_backend: str | None = None
-    enable_sleep_mode: bool = False
-    supports_draft_weight_updates: bool = False
-    effective_attention_block_size: int | None = None
-
-
-def _strict(kind: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
-    def hook(v: Any, _type: Any) -> Any:
-        try:
-            return kind(v)
-        except _Bad as exc:
-            raise TypeError(str(exc)) from None
-
-    return hook
-
-
-# cattrs belongs here (handshake/config), not on the per-tick path. Its default
-# hooks call int()/str() and would turn 1.5 into 1 or 5 into "5"; these are strict.
-_handshake_converter = cattrs.Converter(forbid_extra_keys=False)
-_handshake_converter.register_structure_hook(int, _strict(_k_int))
-_handshake_converter.register_structure_hook(float, _strict(_k_float))
-_handshake_converter.register_structure_hook(bool, _strict(_k_bool))
-_handshake_converter.register_structure_hook(str, _strict(_k_str))
-
-
-def encode_ready_response(resp: EngineCoreReadyResponse) -> bytes:
-    """The ready-response map, every field in declaration order (vector
-    ``handshake_ready_response``). Raises LocalProtocolError if a value cannot be packed."""
-    body = _handshake_converter.unstructure(resp)
-    if type(body.get("kv_cache_max_concurrency")) is int:
-        body["kv_cache_max_concurrency"] = float(body["kv_cache_max_concurrency"])
-    return _pack(body)
-
-
-def decode_ready_response(payload: bytes) -> EngineCoreReadyResponse:
-    """Decode the ready response an engine sends on the input socket.
-
-    Raises:
-        RemoteProtocolError: not a map, ``max_model_len`` missing / not an int > 0, or a
-            known key of the wrong type (message lists the offending paths).
-    """
-    obj = _unpack(payload, "EngineCoreReadyResponse")
-    if type(obj) is not dict:
-        raise RemoteProtocolError("EngineCoreReadyResponse: expected a map")
-    mml = obj.get("max_model_len")
-    if type(mml) is not int or mml <= 0:
-        raise RemoteProtocolError(f"EngineCoreReadyResponse.max_model_len: expected an int > 0, got {mml!r}")
-    if "block_size" not in obj and "prefix_granularity" in obj:
-        obj = dict(obj, block_size=obj["prefix_granularity"])
-    try:
-        return _handshake_converter.structure(obj, EngineCoreReadyResponse)
-    except Exception as exc:  # cattrs ClassValidationError (an ExceptionGroup) and friends
-        try:
-            detail = "; ".join(cattrs.transform_error(exc))
-        except Exception:
-            detail = str(exc)
-        raise RemoteProtocolError(f"EngineCoreReadyResponse: {detail}") from None
