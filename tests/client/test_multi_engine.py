@@ -28,6 +28,7 @@ from zmqdispatch.mock.server import MockEngineConfig, _ready_response, start_moc
 from zmqdispatch.multi import MultiEngineClient, connect_engines
 from zmqdispatch.protocol.engines import EngineState
 from zmqdispatch.wire import vllm as wire
+from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
 
 from ..faults.engines import GUARD
 from ..helpers import make_request as _make_request
@@ -270,7 +271,7 @@ async def test_a_lock_step_rank_is_refused_at_the_handshake(tmp_path):
             nursery.cancel_scope.cancel()
 
 
-def attr_evolve(ready: wire.EngineCoreReadyResponse, **changes: object) -> wire.EngineCoreReadyResponse:
+def attr_evolve(ready: EngineCoreReadyResponse, **changes: object) -> EngineCoreReadyResponse:
     return attrs.evolve(ready, **changes)
 
 
