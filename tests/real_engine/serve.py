@@ -64,7 +64,7 @@ class ServeProcess:
 
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115  (closed by serve_processes)
+        self.log = tempfile.TemporaryFile()
         self.started_at = time.monotonic()
         # vLLM's scratch files (engine<->worker ipc sockets, rendezvous files):
         # vllm_cli.py removes its own private dir on a normal exit, but a
@@ -180,7 +180,7 @@ class ClientThread:
                 self._client = client
                 self._ready.set()
                 await self._stop.wait()
-        except BaseException as exc:  # noqa: BLE001  (re-raised in the test's thread by wait_ready)
+        except BaseException as exc:
             self.error = exc
         finally:
             self._ready.set()

@@ -19,7 +19,6 @@ import attrs
 import pytest
 import trio
 
-from zmqdispatch.fanout import generate_parallel
 from zmqdispatch.multi import MultiEngineClient
 from zmqdispatch.protocol.engines import EngineState
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
@@ -115,7 +114,7 @@ def test_pinned_to_each_rank_and_samples_on_one_rank(dp2: ClientThread, referenc
             samples = translate_parallel(req, TranslationConfig(max_model_len=client.max_model_len))
             got: dict[int, list[int]] = {0: [], 1: [], 2: []}
             where: set[int | None] = set()
-            async with generate_parallel(client, [t.request for t in samples]) as ps:
+            async with client.generate_samples([t.request for t in samples]) as ps:
                 async for index, delta in ps:
                     where |= {client.engine_of(t.request.request_id) for t in samples} - {None}
                     got[index] += delta.token_ids
