@@ -581,6 +581,8 @@ async def connect_engines(
 
     After startup a failed handshake (a lock-step rank, a refused version, a
     timeout) is logged at WARNING and that engine is not served; the others go on.
+    An engine that says HELLO again before its READY (it restarted during its
+    handshake) has its handshake started over, at startup too.
 
     Cancellation: as :func:`zmqdispatch.connect`, for every engine.
     """
