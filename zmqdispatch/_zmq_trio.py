@@ -97,6 +97,7 @@ class ZmqContext:
         name: str,
         identity: bytes | None = None,
         router_mandatory: bool = False,
+        router_handover: bool = False,
         sndhwm: int | None = None,
         rcvhwm: int | None = None,
         maxmsgsize: int | None = None,
@@ -108,6 +109,10 @@ class ZmqContext:
             name: shown in errors and ``repr``.
             identity: routing identity for a DEALER (vLLM: engine index, 2 bytes LE).
             router_mandatory: raise EHOSTUNREACH instead of silently dropping.
+            router_handover: a peer connecting with an identity a live
+                connection holds takes it over (libzmq otherwise ignores the
+                newcomer: a restarted engine's HELLO would be dropped until
+                its old connection is reaped).
             sndhwm / rcvhwm: high-water marks in messages (0 = unbounded).
             maxmsgsize: largest inbound message in bytes; libzmq disconnects a
                 peer that sends a bigger one.
@@ -118,6 +123,8 @@ class ZmqContext:
             sock.setsockopt(zmq.IDENTITY, identity)
         if router_mandatory:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if router_handover:
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if sndhwm is not None:
             sock.setsockopt(zmq.SNDHWM, sndhwm)
         if rcvhwm is not None:

@@ -64,7 +64,7 @@ from .metrics import EngineStats
 from .protocol.deadlines import Deadlines, effective_deadlines
 from .protocol.engine import EngineProtocol, LinkState
 from .protocol.engines import EngineSet, EngineState, EngineStatus, Route, format_ranks
-from .protocol.handshake import Handshake, check_not_lockstep
+from .protocol.handshake import Handshake, check_not_lockstep, is_hello
 from .protocol.link import EngineLink
 from .protocol.mailbox import Mailbox
 from .protocol.placement import EngineLoad, Placement
@@ -506,6 +506,8 @@ class _Pending:
     input_address: str
     output_address: str
     ready_status: trio.Event = attrs.Factory(trio.Event)
+    #: the scope of its handshake task, cancelled when the engine restarts mid-handshake
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
 
     def sockets(self) -> list[TrioSocket]:
         return [s for s in (self.monitor, self.out_monitor, self.out, self.inp) if s is not None]
@@ -579,6 +581,8 @@ async def connect_engines(
 
     After startup a failed handshake (a lock-step rank, a refused version, a
     timeout) is logged at WARNING and that engine is not served; the others go on.
+    An engine that says HELLO again before its READY (it restarted during its
+    handshake) has its handshake started over, at startup too.
 
     Cancellation: as :func:`zmqdispatch.connect`, for every engine.
     """
@@ -617,7 +621,10 @@ async def connect_engines(
         return sock.bind(prepared, role=role)
 
     client = MultiEngineClient(config=config, quorum=quorum, rng=rng)
-    hs = ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True)
+    # handover: a restarted engine dials with its old identity, possibly before
+    # libzmq reaped the dead process's connection (none at all when its host
+    # vanished without closing it); the newcomer must get the identity.
+    hs = ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True, router_handover=True)
     process: trio.Process | None = None
     pending: dict[bytes, _Pending] = {}
     startup = True
@@ -657,6 +664,10 @@ async def connect_engines(
     async def engine_handshake(p: _Pending, nursery: trio.Nursery) -> None:
         """The rest of one engine's handshake (its ready response on its own
         input socket, its READY via the handshake task), then serve it."""
+        with p.scope:
+            await _engine_handshake(p, nursery)
+
+    async def _engine_handshake(p: _Pending, nursery: trio.Nursery) -> None:
         index = int.from_bytes(p.identity, "little")
         try:
             with trio.fail_after(max(0.0, p.machine.deadline - trio.current_time())):
@@ -674,7 +685,8 @@ async def connect_engines(
                     f"engine {index} is a {resolved.value} engine; this client's engines are {client.runtime.value}"
                 )
         except BaseException as exc:
-            pending.pop(p.identity, None)
+            if pending.get(p.identity) is p:
+                del pending[p.identity]
             _close_sockets(p.sockets())
             if isinstance(exc, trio.TooSlowError):
                 exc = EngineHandshakeTimeout(
@@ -685,7 +697,8 @@ async def connect_engines(
             _log.warning("engine %d (identity %s): handshake failed: %s", index, p.identity.hex(), exc)
             fail_startup(exc)
             return
-        pending.pop(p.identity, None)
+        if pending.get(p.identity) is p:
+            del pending[p.identity]
         link = EngineLink(now=trio.current_time(), silence_timeout=config.silence_timeout,
                           watch_input=config.death_on_disconnect, await_output_reconnect=config.death_on_disconnect)
         link.engine_index = index
@@ -723,6 +736,17 @@ async def connect_engines(
             frames = await hs.recv_multipart()
             identity = frames[0] if frames else b""
             p = pending.get(identity)
+            if p is not None and is_hello(frames):
+                # HELLO again from an identity mid-handshake: that engine
+                # restarted before READY (it crashed while loading, its
+                # supervisor started it again); the INIT went to a process
+                # that is gone. Drop that attempt (its task closes its sockets)
+                # and start over.
+                _log.warning("handshake: engine identity %s said HELLO again during its handshake (it "
+                             "restarted); starting its handshake over", identity.hex())
+                del pending[identity]
+                p.scope.cancel()
+                p = None
             try:
                 if p is None:
                     index = int.from_bytes(identity, "little")

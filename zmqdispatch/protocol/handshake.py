@@ -33,7 +33,7 @@ from .. import limits
 from ..errors import EngineHandshakeError, EngineHandshakeTimeout, RemoteProtocolError
 from ..wire import vllm_handshake as wire  # only the handshake messages are used here
 
-__all__ = ["EngineHandshake", "Handshake", "HandshakeStep", "check_not_lockstep"]
+__all__ = ["EngineHandshake", "Handshake", "HandshakeStep", "check_not_lockstep", "is_hello"]
 
 
 @attrs.define(slots=True)
@@ -246,6 +246,17 @@ class Handshake:
             raise EngineHandshakeTimeout(
                 f"engine handshake timed out after {self.timeout} s waiting for {stage}", stage=stage
             )
+
+
+def is_hello(frames: list[bytes]) -> bool:
+    """Whether a message of the handshake ROUTER, ``[identity, status map]``,
+    is a well-formed HELLO (vLLM's or TokenSpeed's). Never raises."""
+    if len(frames) != 2:
+        return False
+    try:
+        return wire.decode_handshake_status(frames[1]).status == "HELLO"
+    except RemoteProtocolError:
+        return False
 
 
 def check_not_lockstep(ready: wire.EngineCoreReadyResponse, identity: bytes, *, vllm: bool) -> None:
