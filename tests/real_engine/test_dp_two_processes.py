@@ -27,6 +27,7 @@ from zmqdispatch.wire import vllm as wire
 from ..helpers import make_request
 from .serve import (
     STARTUP_TIMEOUT,
+    ClientThread,
     ServeProcess,
     client_thread,
     free_port,
@@ -45,7 +46,7 @@ def rank_argv(vllm_py: str, model_dir: str, port: int, rank: int) -> list[str]:
 
 @attrs.define
 class TwoRanks:
-    client: object
+    client: ClientThread
     procs: list[ServeProcess]
     argvs: list[list[str]]
 
@@ -169,7 +170,7 @@ def test_sigkill_one_rank_mid_stream_then_restart_rejoins(ranks: TwoRanks, refer
             async with trio.open_nursery() as nursery:
                 for i in range(4):
                     nursery.start_soon(one, i)
-        return rejoined, toks, sorted(placed), client.states()
+        return rejoined, toks, sorted(p for p in placed if p is not None), client.states()
 
     rejoined, toks, placed, states = ranks.client.run(rejoin)
     print(f"\nrank 1 restarted: up again {rejoined:.1f} s after its spawn", file=sys.stderr)
