@@ -261,10 +261,13 @@ async def test_leaving_a_launched_engine_mid_stream_stops_it_cleanly(vllm_py, mo
     """The client stops a launched EngineCore with SIGTERM to the engine process
     alone: vLLM then stops its own worker and exits 0. Signalling the whole
     group kills the worker under it; the EngineCore then fails and has to be
-    SIGKILLed after ``terminate_grace``."""
+    SIGKILLed after ``terminate_grace``. The grace here is long because vLLM's
+    own teardown (worker first, then the EngineCore) takes over 8 s on a loaded
+    2-core machine; what is checked is the exit status, not the time."""
     argv = engine_argv(vllm_py, model_dir, "{handshake_address}")
     with trio.fail_after(300):
-        async with connect(launch=argv, config=ClientConfig(handshake_timeout=240)) as client:
+        config = ClientConfig(handshake_timeout=240, terminate_grace=60)
+        async with connect(launch=argv, config=config) as client:
             process = client._process
             async with client.generate(make_request("t-left", prompt=[1, 2, 3], max_tokens=240)) as s:
                 await s.receive()
