@@ -22,12 +22,12 @@ from zmqdispatch import (
     EngineHandshakeTimeout,
     connect,
 )
-from zmqdispatch.testing.fake_engine import FakeEngine
+from zmqdispatch.testing import FakeEngine
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire import vllm_handshake as handshake
 
 from ..helpers import make_request
-from .conftest import fake_pair
 
 GUARD = 20
 

@@ -1,7 +1,11 @@
-"""The engine side of vLLM's startup handshake: dial in like an EngineCore does.
+"""The engine side of the startup handshake: dial in like an EngineCore does.
 
-Shared by the mock engine program (:mod:`zmqdispatch.mock.server`) and the
-scripted fake engine of the tests (:mod:`zmqdispatch.testing.fake_engine`).
+The one engine-side dialer of the package, and the one factory of the ready
+response an engine registers with (:func:`ready_response`). Used by the
+scripted fake engine (:mod:`zmqdispatch.testing.fake_engine`), the mock engine
+program (:mod:`zmqdispatch.mock.server`) and the benchmark engine
+(:mod:`zmqdispatch.bench.engine`); a test may also call :func:`dial` itself to
+script an engine that stops part-way through its handshake.
 Sequence (vLLM 0.32 ``EngineCoreProc``, ``docs/vllm-wire.md`` §5.1):
 
 1. DEALER (identity = engine index, 2 bytes LE) connects to the handshake
@@ -21,14 +25,59 @@ output PUSH connects.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import attrs
 import zmq
 
 from .._zmq_trio import TrioSocket, ZmqContext
 from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm_handshake
+from ..wire.tokenspeed import TOKENSPEED_VERSION
 
-__all__ = ["EngineSockets", "dial"]
+__all__ = ["EngineSockets", "dial", "ready_response"]
+
+
+def ready_response(
+    max_model_len: int = 1024,
+    *,
+    runtime: Literal["vllm", "tokenspeed"] = "vllm",
+    engine_index: int = 0,
+    max_num_seqs: int = 1024,
+    build: str = "zmqdispatch.testing",
+    **fields: Any,
+) -> vllm_handshake.EngineCoreReadyResponse:
+    """The ready response of a small CPU engine, as the engine sends it after INIT.
+
+    Wire source: vLLM 0.32 ``EngineCoreProc``'s ready map, or TokenSpeed
+    0.1.1's (``runtime="tokenspeed"``: ``vllm_version`` is
+    ``tokenspeed-0.1.1+<build>``, which is how the client tells the runtimes
+    apart, and ``kv_cache_size_tokens`` is set). ``vllm_version`` is a checked
+    release (``0.32.0``) with ``+<build>`` as its local part, so the client's
+    version guard accepts it; ``num_gpu_blocks`` is 64 per 16 tokens of
+    ``max_model_len`` (block size 16); ``data_parallel_rank`` and
+    ``instance_id`` follow ``engine_index``. *fields* override any field of
+    ``wire.vllm_handshake.EngineCoreReadyResponse`` (e.g. ``vllm_version="0.34.0"`` to
+    test the guard).
+
+    Raises:
+        TypeError: a name in *fields* that is not a field of the response.
+    """
+    tokenspeed = runtime == "tokenspeed"
+    blocks = max(1, max_model_len // 16) * 64
+    values: dict[str, Any] = {
+        "max_model_len": max_model_len,
+        "num_gpu_blocks": blocks,
+        "block_size": 16,
+        "dtype": "float32",
+        "vllm_version": f"tokenspeed-{TOKENSPEED_VERSION}+{build}" if tokenspeed else f"0.32.0+{build}",
+        "data_parallel_rank": engine_index,
+        "max_num_seqs": max_num_seqs,
+        "instance_id": f"{build.replace('.', '-')}-{engine_index}",
+        "kv_cache_size_tokens": blocks * 16 if tokenspeed else None,
+    }
+    values.update(fields)
+    return vllm_handshake.EngineCoreReadyResponse(**values)
 
 
 @attrs.define(eq=False)
