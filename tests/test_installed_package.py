@@ -57,16 +57,16 @@ def _escapes(tree: ast.Module) -> list[tuple[int, str]]:
         # package is outside it (its own package directory is parents[0]).
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
                 and node.value.attr == "parents" and _is_file_expr(node.value):
-            found.append((node.lineno, ast.unparse(node)))
+            found.append((getattr(node, "lineno", 0), ast.unparse(node)))
         # Path(__file__).parent.parent (.parent once is the module's own directory)
         if isinstance(node, ast.Attribute) and node.attr == "parent" and isinstance(node.value, ast.Attribute) \
                 and node.value.attr == "parent" and _is_file_expr(node.value):
-            found.append((node.lineno, ast.unparse(node)))
+            found.append((getattr(node, "lineno", 0), ast.unparse(node)))
         # os.path.dirname(os.path.dirname(__file__)) and deeper
         if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("dirname") and node.args \
                 and isinstance(node.args[0], ast.Call) and ast.unparse(node.args[0].func).endswith("dirname") \
                 and _is_file_expr(node.args[0]):
-            found.append((node.lineno, ast.unparse(node)))
+            found.append((getattr(node, "lineno", 0), ast.unparse(node)))
         # a path segment naming a checkout-only folder, joined to something:
         # x / "scripts", os.path.join(x, "tests", ...), Path("benchmarks/..."), "../protos"
         parts: list[ast.AST] = []
@@ -78,7 +78,7 @@ def _escapes(tree: ast.Module) -> list[tuple[int, str]]:
             if isinstance(part, ast.Constant) and isinstance(part.value, str):
                 first = part.value.strip("./").split("/")[0]
                 if first in CHECKOUT_ONLY or part.value.startswith(".."):
-                    found.append((node.lineno, ast.unparse(node)))
+                    found.append((getattr(node, "lineno", 0), ast.unparse(node)))
     return found
 
 
@@ -125,7 +125,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONSAFEPATH": "1"}
     env.pop("ZMQD_REAL_VLLM_SCRIPTS", None)
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False,
                           stdin=subprocess.DEVNULL)
 
 

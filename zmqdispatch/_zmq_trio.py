@@ -323,7 +323,7 @@ class TrioSocket:
         trio.lowlevel.notify_closing(self._fd)
         self._sock.close(linger=linger_ms)
 
-    def detach(self) -> zmq.Socket:
+    def detach(self) -> zmq.Socket[bytes]:
         """Hand the pyzmq socket over to blocking code, which owns it from now on
         (this wrapper is then closed; the socket is not). For a program that
         dials with trio and then runs a plain pyzmq loop (the benchmark engine)."""

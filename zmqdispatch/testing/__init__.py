@@ -15,7 +15,8 @@ gateway's code is tested through the same client it runs in production:
   own, to kill, freeze or start with injected faults; :func:`proc_state`,
   :func:`live_group_members`: check that nothing was left behind.
 - :func:`dial` and :func:`ready_response`: the engine half of the handshake
-  and the ready response it registers with, for an engine of one's own.
+  (both runtimes; ``hang_up_after=`` for an engine that dies in it) and the
+  ready response it registers with, for an engine of one's own.
 - ``zmqdispatch.testing.pytest_plugin``: a ``mock_clock`` fixture (virtual time
   that jumps when the run is idle) for pytest-trio.
 

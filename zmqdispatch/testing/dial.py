@@ -122,6 +122,7 @@ async def dial(
     input_rcvhwm: int = 0,
     tokenspeed: bool = False,
     monitor_input: bool = False,
+    hang_up_after: Literal["HELLO", "INIT", "READY"] | None = None,
 ) -> EngineSockets:
     """Do the engine half of the handshake and return the data-plane sockets.
 
@@ -130,7 +131,11 @@ async def dial(
     stays open (in ``EngineSockets.handshake``), as a slow engine's does.
     ``input_rcvhwm`` is 0 (unbounded) as in vLLM; a small value lets a test
     make the client's sends block. ``monitor_input`` adds
-    ``EngineSockets.input_monitor``.
+    ``EngineSockets.input_monitor``. ``hang_up_after`` scripts an engine that
+    dies in its handshake: right after sending HELLO, after receiving INIT, or
+    (TokenSpeed's order, READY before the ready response) after sending READY,
+    it closes every socket (what it sent is still delivered: 1 s linger) and
+    returns them closed.
 
     Raises:
         InvalidAddressError: libzmq refused an address (the handshake
@@ -146,28 +151,48 @@ async def dial(
     # Created before connect, so that no event of the input connection is missed.
     mon = inp.monitor(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED,
                       name="engine-input-monitor") if monitor_input else None
+
+    def hang_up(stage: str) -> bool:
+        if hang_up_after != stage:
+            return False
+        EngineSockets(inp, out, engine_index, input_monitor=mon).close()
+        hs.close(linger_ms=1000)
+        return True
+
     try:
         hs.connect(handshake_address, role="handshake_address")
         if tokenspeed:
             await hs.send([ts_engine.encode_hello()])
+            if hang_up("HELLO"):
+                return EngineSockets(inp, out, engine_index)
             # TokenSpeed takes the last frame of the INIT message as its payload.
             init = vllm_handshake.decode_init((await hs.recv_multipart())[-1])
+            if hang_up("INIT"):
+                return EngineSockets(inp, out, engine_index)
             if send_ready:
                 await hs.send([ts_engine.encode_ready()])
+            if hang_up("READY"):
+                return EngineSockets(inp, out, engine_index)
             inp.connect(init.inputs[0])
             if send_ready_response:
                 await inp.send([ts_engine.encode_ready_response(ready)])
             out.connect(init.outputs[0])
         else:
             await hs.send([vllm_handshake.encode_hello(local=local, headless=headless)])
+            if hang_up("HELLO"):
+                return EngineSockets(inp, out, engine_index)
             (init_payload,) = await hs.recv_multipart()
             init = vllm_handshake.decode_init(init_payload)
+            if hang_up("INIT"):
+                return EngineSockets(inp, out, engine_index)
             inp.connect(init.inputs[0])
             out.connect(init.outputs[0])
             if send_ready_response:
                 await inp.send([vllm_handshake.encode_ready_response(ready)])
             if send_ready:
                 await hs.send([vllm_handshake.encode_ready(local=local, headless=headless)])
+            if hang_up("READY"):
+                return EngineSockets(inp, out, engine_index)
     except BaseException:
         EngineSockets(inp, out, engine_index, hs, mon).close()
         raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -94,8 +95,9 @@ class FakeEngine:
         if kind == wire.RequestType.ADD:
             value: object = wire_engine.decode_request(frames[1:])
         elif kind == wire.RequestType.ABORT:
-            value = wire_engine.decode_abort(frames[1])
-            self.aborted.extend(value)  # type: ignore[arg-type]
+            aborted = wire_engine.decode_abort(frames[1])
+            self.aborted.extend(aborted)
+            value = aborted
         elif kind == wire.RequestType.UTILITY:
             value = wire_engine.decode_utility_call(frames[1])
         else:
@@ -116,8 +118,10 @@ class FakeEngine:
 
     # ---------------------------------------------------------------- output side
 
-    async def send_outputs(self, outputs: Sequence[wire_engine.EngineCoreOutput], **kw: object) -> None:
-        """Push one ``EngineCoreOutputs`` with *outputs* (timestamp = now)."""
+    async def send_outputs(self, outputs: Sequence[wire_engine.EngineCoreOutput], **kw: Any) -> None:
+        """Push one ``EngineCoreOutputs`` with *outputs*; *kw* are its other fields
+        (``wire.vllm_engine.encode_outputs``: ``timestamp``, default now; ``utility_output``,
+        ``finished_requests``, ...)."""
         assert self.socks is not None
         kw.setdefault("timestamp", time.monotonic())
         kw.setdefault("weight_version", "default")
