@@ -133,9 +133,10 @@ async def dial(
     make the client's sends block. ``monitor_input`` adds
     ``EngineSockets.input_monitor``. ``hang_up_after`` scripts an engine that
     dies in its handshake: right after sending HELLO, after receiving INIT, or
-    (TokenSpeed's order, READY before the ready response) after sending READY,
-    it closes every socket (what it sent is still delivered: 1 s linger) and
-    returns them closed.
+    after sending READY, it closes every socket (what it sent is still
+    delivered: 1 s linger) and returns them closed. TokenSpeed sends READY
+    before its ready response, so that handshake never completes; vLLM sends
+    it last, so ``"READY"`` is an engine that dies right after a completed one.
 
     Raises:
         InvalidAddressError: libzmq refused an address (the handshake
