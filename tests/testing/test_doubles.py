@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 import trio
@@ -13,6 +16,7 @@ from zmqdispatch._zmq_trio import ZmqContext
 from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.protocol.versions import EngineVersion
 from zmqdispatch.testing import (
+    EngineSockets,
     FakeEngine,
     dial,
     open_fake_engine_pair,
@@ -25,7 +29,7 @@ from ..helpers import GUARD, make_request, make_ts_request
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "tokenspeed"])
-def test_ready_response_is_one_a_client_accepts_for_its_runtime(runtime):
+def test_ready_response_is_one_a_client_accepts_for_its_runtime(runtime: Literal["vllm", "tokenspeed"]) -> None:
     r = ready_response(2048, runtime=runtime, engine_index=3)
     assert Runtime.of_ready_response(r) is Runtime(runtime)
     assert EngineVersion.parse(r.vllm_version).known
@@ -36,7 +40,7 @@ def test_ready_response_is_one_a_client_accepts_for_its_runtime(runtime):
         ready_response(no_such_field=1)
 
 
-async def test_fake_engine_pair_takes_client_config_fields_and_ready():
+async def test_fake_engine_pair_takes_client_config_fields_and_ready() -> None:
     with trio.fail_after(GUARD):
         async with open_fake_engine_pair(ready=ready_response(77), handshake_timeout=GUARD) as (engine, client):
             assert client.max_model_len == 77
@@ -46,14 +50,15 @@ async def test_fake_engine_pair_takes_client_config_fields_and_ready():
                 assert [t async for d in stream for t in d.token_ids] == [5, 6]
 
 
-async def test_fake_engine_pair_refuses_an_unknown_config_field_naming_it():
+async def test_fake_engine_pair_refuses_an_unknown_config_field_naming_it() -> None:
     with pytest.raises(TypeError, match="no_such_option"):
         async with open_fake_engine_pair(no_such_option=1):
             pass  # pragma: no cover
 
 
 @pytest.mark.parametrize("runtime, make", [("vllm", make_request), ("tokenspeed", make_ts_request)])
-async def test_mock_engine_pair_streams_for_each_runtime(runtime, make):
+async def test_mock_engine_pair_streams_for_each_runtime(runtime: Literal["vllm", "tokenspeed"],
+                                                         make: Callable[[str], Any]) -> None:
     with trio.fail_after(GUARD):
         async with open_mock_engine_pair(runtime=runtime, handshake_timeout=GUARD) as (engine, client):
             assert client.runtime is Runtime(runtime)
@@ -65,11 +70,12 @@ async def test_mock_engine_pair_streams_for_each_runtime(runtime, make):
 
 @pytest.mark.parametrize("tokenspeed", [False, True])
 @pytest.mark.parametrize("stage", ["HELLO", "INIT", "READY"])
-async def test_an_engine_that_hangs_up_in_its_handshake_fails_it(tmp_path, tokenspeed, stage):
+async def test_an_engine_that_hangs_up_in_its_handshake_fails_it(tmp_path: Path, tokenspeed: bool,
+                                                                  stage: Literal["HELLO", "INIT", "READY"]) -> None:
     addr = f"ipc://{tmp_path}/hs.sock"
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as nursery:
-            socks: list[object] = []
+            socks: list[EngineSockets] = []
 
             async def engine() -> None:
                 socks.append(await dial(addr, ready_response(runtime="tokenspeed" if tokenspeed else "vllm"),
@@ -88,10 +94,11 @@ async def test_an_engine_that_hangs_up_in_its_handshake_fails_it(tmp_path, token
                     async with connect(addr, config=ClientConfig(handshake_timeout=5)):
                         pass  # pragma: no cover
     (s,) = socks
-    assert s.input.closed and s.output.closed  # type: ignore[attr-defined]
+    assert s.input.closed and s.output.closed
 
 
-async def test_a_fake_engine_that_never_sends_ready_times_the_handshake_out(tmp_path, mock_clock):
+async def test_a_fake_engine_that_never_sends_ready_times_the_handshake_out(tmp_path: Path,
+                                                                            mock_clock: object) -> None:
     addr = f"ipc://{tmp_path}/hs.sock"
     engine = FakeEngine(addr, send_ready=False)
     async with trio.open_nursery() as nursery:
@@ -103,7 +110,7 @@ async def test_a_fake_engine_that_never_sends_ready_times_the_handshake_out(tmp_
         engine.close()
 
 
-async def test_detach_hands_a_working_socket_to_blocking_code():
+async def test_detach_hands_a_working_socket_to_blocking_code() -> None:
     ctx = ZmqContext()
     addr = f"inproc://zmqd-test-{uuid.uuid4().hex}"
     a = ctx.socket(zmq.PAIR, name="a")
