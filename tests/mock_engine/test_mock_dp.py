@@ -22,8 +22,8 @@ import zmq
 from zmqdispatch import ClientConfig, connect
 from zmqdispatch._zmq_trio import TrioSocket, ZmqContext
 from zmqdispatch.mock.server import MockEngineConfig, rank_configs, serve_mock_ranks
-from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.testing import external_mock
+from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire import vllm_handshake
 

@@ -54,7 +54,6 @@ import zmq
 
 from .._zmq_trio import TrioSocket, parse_monitor_event
 from ..addresses import check_address
-from ..wire import tokenspeed as ts
 from ..testing.dial import EngineSockets, dial, ready_response
 from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm as wire
