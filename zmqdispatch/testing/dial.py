@@ -136,7 +136,8 @@ async def dial(
     after sending READY, it closes every socket (what it sent is still
     delivered: 1 s linger) and returns them closed. TokenSpeed sends READY
     before its ready response, so that handshake never completes; vLLM sends
-    it last, so ``"READY"`` is an engine that dies right after a completed one.
+    it last, so ``"READY"`` is an engine that dies as its handshake completes
+    (the client may see the handshake fail, or complete and the engine die).
 
     Raises:
         InvalidAddressError: libzmq refused an address (the handshake
@@ -156,8 +157,11 @@ async def dial(
     def hang_up(stage: str) -> bool:
         if hang_up_after != stage:
             return False
-        EngineSockets(inp, out, engine_index, input_monitor=mon).close()
-        hs.close(linger_ms=1000)
+        if mon is not None:
+            inp.disable_monitor()
+            mon.close()
+        for sock in (inp, out, hs):
+            sock.close(linger_ms=1000)
         return True
 
     try:
