@@ -125,8 +125,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONSAFEPATH": "1"}
     env.pop("ZMQD_REAL_VLLM_SCRIPTS", None)
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+                          check=False, stdin=subprocess.DEVNULL)
 
 
 def test_the_installed_package_generates_outside_a_checkout(installed: Path, tmp_path: Path) -> None:
