@@ -5,8 +5,8 @@ that only exist in a source checkout (``scripts/``, ``benchmarks/``, ``tests/``,
 Two checks: the package's code never builds a path out of its own directory or
 into those folders (read with ``ast``: docstrings, comments and messages that
 *name* them are fine), and a copy of exactly what a wheel installs (the
-``zmqdispatch*`` packages' ``.py`` files; ``pyproject.toml`` declares no package
-data), run from a directory that is not a checkout, generates against the mock
+``zmqdispatch*`` packages' ``.py`` files and the package data ``pyproject.toml``
+declares), run from a directory that is not a checkout, generates against the mock
 engine, answers ``bench --help``, and says what to pass when the real-vLLM helper
 scripts are missing.
 """
@@ -112,10 +112,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     setuptools_cfg = project.get("tool", {}).get("setuptools", {})
     assert setuptools_cfg.get("packages", {}).get("find", {}).get("include") == ["zmqdispatch*"]
-    assert "package-data" not in setuptools_cfg and "data-files" not in setuptools_cfg, (
-        "package data is declared: copy it below too, so this test installs what a wheel does")
+    assert "data-files" not in setuptools_cfg, "data files are declared: install them below too"
+    files = _modules()
+    for package, patterns in setuptools_cfg.get("package-data", {}).items():
+        for pattern in patterns:
+            files += sorted((ROOT / package.replace(".", "/")).glob(pattern))
     site = tmp_path_factory.mktemp("site")
-    for path in _modules():
+    for path in files:
         dest = site / path.relative_to(ROOT)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dest)
