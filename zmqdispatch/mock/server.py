@@ -55,6 +55,7 @@ import zmq
 from .._zmq_trio import TrioSocket, parse_monitor_event
 from ..addresses import check_address
 from ..testing.dial import EngineSockets, dial, ready_response
+from ..wire import tokenspeed as ts
 from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm as wire
 from ..wire import vllm_engine as wire_engine

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import trio
 
 from ..client import ClientConfig, EngineClient, connect
-from ..wire import vllm as wire
+from ..wire import vllm_handshake
 from .dial import ready_response
 from .fake_engine import FakeEngine
 
@@ -35,7 +35,7 @@ __all__ = ["open_fake_engine_pair", "open_mock_engine_pair"]
 async def open_fake_engine_pair(
     *,
     max_model_len: int = 1024,
-    ready: wire.EngineCoreReadyResponse | None = None,
+    ready: vllm_handshake.EngineCoreReadyResponse | None = None,
     engine_kw: Mapping[str, Any] | None = None,
     **config: Any,
 ) -> AsyncIterator[tuple[FakeEngine, EngineClient]]:
