@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
+from zmqdispatch.testing import open_mock_engine_pair
 from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
@@ -69,3 +72,12 @@ def ts_batch_frames(rows: Sequence[tuple], *, engine_index: int = 0, load: tuple
         kv_active_pages=load[2],
         kv_total_pages=load[3],
     ))
+
+
+#: trio.fail_after guard for whole tests (a hang must fail, not block the suite).
+GUARD = 30
+
+
+def tokenspeed_pair(**kw: Any) -> AbstractAsyncContextManager[tuple[Any, Any]]:
+    """``open_mock_engine_pair`` with the TokenSpeed mock."""
+    return open_mock_engine_pair(runtime="tokenspeed", **kw)

@@ -330,6 +330,16 @@ class TrioSocket:
         trio.lowlevel.notify_closing(self._fd)
         self._sock.close(linger=linger_ms)
 
+    def detach(self) -> zmq.Socket[bytes]:
+        """Hand the pyzmq socket over to blocking code, which owns it from now on
+        (this wrapper is then closed; the socket is not). For a program that
+        dials with trio and then runs a plain pyzmq loop (the benchmark engine)."""
+        if self._closed:
+            raise trio.ClosedResourceError(f"zmq socket {self.name!r} is closed")
+        self._closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        return self._sock
+
     def monitor(self, events: int, *, name: str) -> TrioSocket:
         """A PAIR socket receiving this socket's monitor events (``zmq.EVENT_*``
         bit mask). Call before any task waits on this socket. Decode messages

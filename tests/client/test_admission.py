@@ -12,10 +12,10 @@ import trio.testing
 from zmqdispatch import RequestRejected, limits
 from zmqdispatch.errors import LocalProtocolError
 from zmqdispatch.protocol.engine import EngineProtocol
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request, out
-from .conftest import fake_pair
 
 GUARD = 10  # seconds: a hang guard only, never a timing assertion
 

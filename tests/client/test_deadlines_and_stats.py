@@ -13,7 +13,7 @@ from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire import vllm_engine as wire_engine
 
 from ..helpers import make_request
-from .conftest import fake_pair
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
 GUARD = 60  # virtual seconds
 

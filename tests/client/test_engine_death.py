@@ -22,12 +22,11 @@ from zmqdispatch import (
     EngineHandshakeTimeout,
     connect,
 )
-from zmqdispatch.testing.fake_engine import FakeEngine
+from zmqdispatch.testing import FakeEngine, dial, ready_response
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
-from zmqdispatch.wire import vllm_handshake as handshake
 
 from ..helpers import make_request
-from .conftest import fake_pair
 
 GUARD = 20
 
@@ -239,21 +238,10 @@ DYING_HANDSHAKES = {
 
 
 async def _dying_engine(addr: str, dies: str) -> None:
-    import zmq
-
-    from zmqdispatch._zmq_trio import ZmqContext
-    from zmqdispatch.wire import tokenspeed_engine as ts_engine
-
     runtime, wait_init, _ = DYING_HANDSHAKES[dies]
-    hs = ZmqContext().socket(zmq.DEALER, name="engine-handshake", identity=b"\x00\x00")
-    hs.connect(addr)
-    hello = ts_engine.encode_hello() if runtime == "tokenspeed" else handshake.encode_hello(local=True, headless=False)
-    await hs.send([hello])
-    if wait_init:
-        await hs.recv_multipart()  # INIT
-    if runtime == "tokenspeed":
-        await hs.send([ts_engine.encode_ready()])
-    hs.close(linger_ms=1000)
+    tokenspeed = runtime == "tokenspeed"
+    await dial(addr, ready_response(), tokenspeed=tokenspeed,
+               hang_up_after="READY" if tokenspeed else "INIT" if wait_init else "HELLO")
 
 
 @pytest.mark.parametrize("death_on_disconnect", [True, False])

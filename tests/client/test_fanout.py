@@ -14,7 +14,7 @@ from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request, out
-from .conftest import fake_pair
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
 GUARD = 20
 

@@ -16,11 +16,11 @@ import trio.testing
 import zmqdispatch
 from zmqdispatch import LocalProtocolError, connect
 from zmqdispatch.client import _terminate
-from zmqdispatch.testing.fake_engine import FakeEngine
+from zmqdispatch.testing import FakeEngine
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request
-from .conftest import fake_pair
 
 GUARD = 10
 

@@ -23,14 +23,14 @@ from zmqdispatch.errors import (
     NoEngineAvailableError,
     RequestRejected,
 )
-from zmqdispatch.mock.dial import dial
-from zmqdispatch.mock.server import MockEngineConfig, _ready_response, start_mock_engine
+from zmqdispatch.mock.server import MockEngineConfig, start_mock_engine
 from zmqdispatch.multi import MultiEngineClient, connect_engines
 from zmqdispatch.protocol.engines import EngineState
+from zmqdispatch.testing import dial, ready_response
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
 
-from ..faults.engines import GUARD
+from ..helpers import GUARD
 from ..helpers import make_request as _make_request
 
 
@@ -260,7 +260,8 @@ async def test_startup_waits_for_n_engines_and_times_out_naming_the_count(tmp_pa
 
 async def test_a_lock_step_rank_is_refused_at_the_handshake(tmp_path):
     address = f"ipc://{tmp_path}/hs.sock"
-    ready = attr_evolve(_ready_response(rank_cfg(address, 0)), data_parallel_size=2)
+    ready = attr_evolve(ready_response(rank_cfg(address, 0).max_model_len, build="zmqdispatch.mock"),
+                        data_parallel_size=2)
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(functools.partial(dial, address, ready, engine_index=0))

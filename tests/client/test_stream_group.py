@@ -9,11 +9,10 @@ import trio.testing
 
 from zmqdispatch import ClientConfig, connect
 from zmqdispatch.errors import DuplicateRequestIdError, EngineAbortedRequest, EngineDeadError, LocalProtocolError
+from zmqdispatch.testing import mock_argv
 from zmqdispatch.wire import vllm as wire
 
-from ..faults.engines import mock_argv
-from ..helpers import make_request, make_ts_request
-from .conftest import tokenspeed_pair
+from ..helpers import make_request, make_ts_request, tokenspeed_pair
 
 
 async def drain(group) -> tuple[dict[str, list], dict[str, BaseException], int]:

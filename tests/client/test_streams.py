@@ -23,10 +23,10 @@ from zmqdispatch import (
     UtilityCallError,
     UtilityCallTimeout,
 )
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request, out
-from .conftest import fake_pair
 
 GUARD = 10  # seconds: a hang guard only, never a timing assertion
 
@@ -287,11 +287,11 @@ async def test_utility_calls_reply_fail_and_time_out():
 
 async def test_a_new_client_resumes_a_running_engine_without_a_handshake(tmp_path):
     import zmqdispatch
-    from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
+    from zmqdispatch.testing import FakeEngine, ready_response
 
     addr = f"ipc://{tmp_path}/hs.sock"
     cfg = zmqdispatch.ClientConfig(input_address=f"ipc://{tmp_path}/in.sock", output_address=f"ipc://{tmp_path}/out.sock")
-    engine = FakeEngine(addr, ready=default_ready(77))
+    engine = FakeEngine(addr, ready=ready_response(77))
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as n:
             n.start_soon(engine.run_handshake)
@@ -310,9 +310,9 @@ async def test_a_new_client_resumes_a_running_engine_without_a_handshake(tmp_pat
 
 async def test_resume_fails_with_a_typed_timeout_when_no_engine_comes_back(tmp_path):
     import zmqdispatch
-    from zmqdispatch.testing.fake_engine import default_ready
+    from zmqdispatch.testing import ready_response
 
-    session = zmqdispatch.EngineSession(identity=b"\x00\x00", ready=default_ready(), input_address=f"ipc://{tmp_path}/i",
+    session = zmqdispatch.EngineSession(identity=b"\x00\x00", ready=ready_response(), input_address=f"ipc://{tmp_path}/i",
                                         output_address=f"ipc://{tmp_path}/o")
     with pytest.raises(zmqdispatch.EngineHandshakeTimeout) as ei:
         async with zmqdispatch.connect(resume=session, config=zmqdispatch.ClientConfig(handshake_timeout=0.2)):
@@ -333,7 +333,7 @@ async def test_an_error_in_the_client_block_surfaces_unwrapped():
 
 async def test_abort_queued_just_before_the_client_exits_still_reaches_the_engine(tmp_path):
     import zmqdispatch
-    from zmqdispatch.testing.fake_engine import FakeEngine
+    from zmqdispatch.testing import FakeEngine
 
     addr = f"ipc://{tmp_path}/hs.sock"
     engine = FakeEngine(addr)

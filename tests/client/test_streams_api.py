@@ -22,10 +22,10 @@ from zmqdispatch import (
     SampleStream,
     StreamGroup,
 )
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request, out
-from .conftest import fake_pair
 
 GUARD = 20
 

@@ -18,11 +18,11 @@ from zmqdispatch.errors import (
 )
 from zmqdispatch.mock.core import mock_token
 from zmqdispatch.protocol.runtime import Runtime
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel
 from zmqdispatch.wire import vllm as wire
 
-from ..helpers import make_request, make_ts_request
-from .conftest import fake_pair, tokenspeed_pair
+from ..helpers import make_request, make_ts_request, tokenspeed_pair
 
 
 async def collect(stream) -> list:

@@ -12,9 +12,9 @@ from zmqdispatch import RemoteProtocolError, UnsupportedByRuntimeError, UtilityC
 from zmqdispatch.protocol import control
 from zmqdispatch.protocol.control import LoRARequest
 from zmqdispatch.protocol.versions import EngineVersion
-from zmqdispatch.testing.fake_engine import default_ready
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
+from zmqdispatch.testing import ready_response
 from zmqdispatch.wire import vllm as wire
-from tests.client.conftest import fake_pair
 
 GUARD = 30
 V032 = EngineVersion.parse("0.32.0")
@@ -23,7 +23,7 @@ TS = EngineVersion.parse("tokenspeed-0.1.1")
 
 
 def pair(version: str = "0.32.0"):
-    return fake_pair(ready=attrs.evolve(default_ready(), vllm_version=version), handshake_timeout=GUARD)
+    return fake_pair(ready=attrs.evolve(ready_response(), vllm_version=version), handshake_timeout=GUARD)
 
 
 async def roundtrip(engine, client, call, reply, *, failure=None):
@@ -169,7 +169,7 @@ def test_tokenspeed_has_no_control_plane(name):
 
 
 async def test_tokenspeed_client_refuses_typed_calls():
-    from tests.client.conftest import tokenspeed_pair
+    from tests.helpers import tokenspeed_pair
 
     async with tokenspeed_pair() as (_, client):
         with trio.fail_after(GUARD):

@@ -10,7 +10,7 @@ from zmqdispatch import UtilityCallError
 from zmqdispatch.protocol.control import LoRARequest
 from zmqdispatch.wire import vllm as wire
 from tests.helpers import make_request
-from tests.client.conftest import mock_pair as vllm_mock_pair
+from zmqdispatch.testing import open_mock_engine_pair as vllm_mock_pair
 
 GUARD = 30
 

@@ -15,9 +15,8 @@ import pytest
 import trio
 
 from zmqdispatch import ClientConfig, EngineHandshakeError, connect
-from zmqdispatch.mock.server import MockEngineConfig, _ready_response
 from zmqdispatch.protocol.versions import EngineVersion, check_engine_version
-from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
+from zmqdispatch.testing import FakeEngine, ready_response
 
 GUARD = 30
 
@@ -60,15 +59,14 @@ def test_check_refuses_unknown_naming_it_and_the_known_ones():
 
 
 def test_in_repo_engines_report_a_known_version():
-    # mock (both runtimes), scripted fake engine, bench engine
-    from zmqdispatch.bench import engine as bench_engine
-
+    # the one ready-response factory, as the mock (both runtimes), the scripted
+    # fake engine and the bench engine call it
     versions = [
-        _ready_response(MockEngineConfig(handshake_address="ipc:///x")).vllm_version,
-        _ready_response(MockEngineConfig(handshake_address="ipc:///x", runtime="tokenspeed")).vllm_version,
-        default_ready().vllm_version,
+        ready_response(runtime="vllm", build="zmqdispatch.mock").vllm_version,
+        ready_response(runtime="tokenspeed", build="zmqdispatch.mock").vllm_version,
+        ready_response().vllm_version,
+        ready_response(4096, max_num_seqs=65536, build="zmqdispatch.bench").vllm_version,
     ]
-    versions.append(bench_engine._ready_response(4096, 0).vllm_version)
     for v in versions:
         assert EngineVersion.parse(v).known, v
 
@@ -77,7 +75,7 @@ def test_in_repo_engines_report_a_known_version():
 async def _engine_reporting(version: str, **config: object):
     d = tempfile.mkdtemp(prefix="zqv-")
     addr = f"ipc://{d}/hs.sock"
-    engine = FakeEngine(addr, ready=attrs.evolve(default_ready(), vllm_version=version))
+    engine = FakeEngine(addr, ready=attrs.evolve(ready_response(), vllm_version=version))
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.run_handshake)
@@ -130,11 +128,11 @@ async def test_known_version_connects_without_a_warning(caplog):
 
 _FAKE_ENGINE = """
 import sys, trio, attrs
-from zmqdispatch.testing.fake_engine import FakeEngine, default_ready
+from zmqdispatch.testing import FakeEngine, ready_response
 from zmqdispatch.wire import vllm as wire
 
 async def main():
-    engine = FakeEngine(sys.argv[1], ready=attrs.evolve(default_ready(), vllm_version=sys.argv[2]))
+    engine = FakeEngine(sys.argv[1], ready=attrs.evolve(ready_response(), vllm_version=sys.argv[2]))
     await engine.run_handshake()
     req = await engine.receive_add()
     await engine.send_tokens(req.request_id, [5, 6], finish=wire.FinishReason.LENGTH)

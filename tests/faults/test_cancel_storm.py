@@ -35,10 +35,10 @@ import pytest
 import trio
 
 from zmqdispatch import ClientConfig, RequestStreamClosed, connect
+from zmqdispatch.testing import mock_argv
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
 
 from ..helpers import make_request
-from .engines import mock_argv
 
 WARMUP = 2_000
 STORM = 10_000
@@ -177,7 +177,7 @@ async def test_cancel_storm_leaves_no_live_requests_no_tasks_and_flat_rss():
 
 
 async def test_a_cancellation_at_the_end_of_stream_entry_aborts_the_request():
-    from ..client.conftest import fake_pair
+    from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     async with fake_pair() as (engine, client):
         with trio.fail_after(10):

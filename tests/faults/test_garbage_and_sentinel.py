@@ -24,7 +24,9 @@ from zmqdispatch import ClientConfig, EngineDeadError, RemoteProtocolError, conn
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request
-from .engines import GUARD, external_mock, mock_argv
+from zmqdispatch.testing import external_mock, mock_argv
+
+from ..helpers import GUARD
 
 
 async def one_garbage_failure(client, rid: str) -> tuple[list[int], BaseException]:
@@ -88,7 +90,7 @@ async def test_sentinel_from_an_engine_started_elsewhere_is_the_cause_not_the_ex
 
 
 async def test_a_frame_above_max_frame_bytes_fails_the_requests_it_may_have_carried(monkeypatch):
-    from ..client.conftest import fake_pair
+    from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     monkeypatch.setattr(limits, "MAX_FRAME_BYTES", 4096)  # read by connect() for MAXMSGSIZE
     async with fake_pair() as (engine, client):

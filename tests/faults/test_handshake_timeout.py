@@ -20,8 +20,9 @@ import pytest
 import trio
 
 from zmqdispatch import ClientConfig, EngineHandshakeTimeout, connect
+from zmqdispatch.testing import live_group_members, proc_state
 
-from .engines import GUARD, live_group_members, proc_state
+from ..helpers import GUARD
 
 # Starts a worker in its own process group that ignores SIGTERM, records both
 # pids, then becomes a mock engine that never sends READY.

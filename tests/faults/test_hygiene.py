@@ -24,7 +24,7 @@ import zmq
 import zmqdispatch
 from zmqdispatch import AddressBindError, ClientConfig, RemoteProtocolError, connect, limits
 from zmqdispatch._ipc import ipc_path, prepare_bind, prepare_bind_now, private_ipc_dir
-from zmqdispatch.testing.fake_engine import FakeEngine
+from zmqdispatch.testing import FakeEngine
 from zmqdispatch.wire import tokenspeed
 from zmqdispatch.wire import tokenspeed_engine
 from zmqdispatch.wire import vllm as wire
@@ -32,7 +32,7 @@ from zmqdispatch.wire import vllm_engine as wire_engine
 from zmqdispatch.wire import vllm_handshake as handshake
 
 from ..helpers import make_request
-from .engines import GUARD
+from ..helpers import GUARD
 
 PACKAGE = Path(zmqdispatch.__file__).parent
 REPO = PACKAGE.parent
@@ -199,7 +199,7 @@ async def test_a_live_clients_address_is_refused_without_disturbing_it():
     # Liveness is read from /proc/net/unix, not probed by connecting: a
     # connection dropped on the live client's input ROUTER would be taken for
     # its engine leaving (death_on_disconnect).
-    from ..client.conftest import fake_pair
+    from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     async with fake_pair() as (engine, client):
         for address in (client._bound_input, client._bound_output):
@@ -282,13 +282,13 @@ async def test_connect_refuses_a_regular_file_at_a_configured_address_and_keeps_
 
 
 async def test_connect_unlinks_stale_sockets_left_by_a_crashed_front_end_and_serves(tmp_path):
-    from zmqdispatch.testing.fake_engine import default_ready
+    from zmqdispatch.testing import ready_response
 
     d = private_dir(tmp_path)
     for name in ("hs.sock", "in.sock", "out.sock"):
         stale_socket(d / name)
     cfg = ClientConfig(input_address=f"ipc://{d}/in.sock", output_address=f"ipc://{d}/out.sock")
-    engine = FakeEngine(f"ipc://{d}/hs.sock", ready=default_ready())
+    engine = FakeEngine(f"ipc://{d}/hs.sock", ready=ready_response())
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.run_handshake)
@@ -394,7 +394,7 @@ def test_frame_and_tick_limits_are_defined_once_in_limits_py_and_used_from_there
 
 
 async def test_the_output_socket_is_capped_at_max_frame_bytes():
-    from ..client.conftest import fake_pair
+    from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     async with fake_pair() as (engine, client):
         assert client._output._sock.getsockopt(zmq.MAXMSGSIZE) == limits.MAX_FRAME_BYTES

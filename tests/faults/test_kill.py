@@ -26,7 +26,9 @@ import trio
 from zmqdispatch import ClientConfig, EngineDeadError, connect
 
 from ..helpers import make_request as _make_request, make_ts_request
-from .engines import GUARD, external_mock, mock_argv
+from zmqdispatch.testing import external_mock, mock_argv
+
+from ..helpers import GUARD
 
 N = 1_000
 
@@ -142,7 +144,7 @@ async def test_sigkill_of_a_tokenspeed_engine_fails_1000_streams_within_1s(tmp_p
 async def test_a_stray_connection_to_the_input_socket_is_not_engine_death():
     import socket
 
-    from ..client.conftest import fake_pair
+    from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):

@@ -18,11 +18,10 @@ import pytest
 import trio
 
 from zmqdispatch import ClientConfig, EngineDeadError, connect
-from zmqdispatch.testing.fake_engine import FakeEngine
+from zmqdispatch.testing import FakeEngine
 from zmqdispatch.wire import vllm as wire
 
-from ..helpers import make_request
-from .engines import GUARD
+from ..helpers import GUARD, make_request
 
 
 def fixed(tmp_path, **config: object) -> tuple[str, ClientConfig]:

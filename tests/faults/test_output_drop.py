@@ -27,12 +27,11 @@ import pytest
 import trio
 
 from zmqdispatch import EngineDeadError, RemoteProtocolError, limits
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire import vllm_engine as wire_engine
 
-from ..client.conftest import fake_pair, mock_clock  # noqa: F401  (mock_clock: a fixture, autojump after 50 ms of real idleness)
-from ..helpers import make_request
-from .engines import GUARD
+from ..helpers import GUARD, make_request
 
 SMALL_LIMIT = 4096
 BIG = list(range(3, 2003))  # ~6 KB of msgpack: above SMALL_LIMIT

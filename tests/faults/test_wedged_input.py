@@ -36,9 +36,9 @@ import pytest
 import trio
 
 from zmqdispatch import EngineDeadError, connect
+from zmqdispatch.testing import external_mock, fixed_addresses
 
-from ..helpers import make_request
-from .engines import GUARD, external_mock, fixed_addresses
+from ..helpers import GUARD, make_request
 
 # ~3 KB per ADD (1,000 two-byte-msgpack token ids): the kernel buffers fill fast.
 BIG_PROMPT = list(range(1000, 2000))

@@ -22,12 +22,12 @@ import zmq
 from zmqdispatch import ClientConfig, connect
 from zmqdispatch._zmq_trio import TrioSocket, ZmqContext
 from zmqdispatch.mock.server import MockEngineConfig, rank_configs, serve_mock_ranks
+from zmqdispatch.testing import external_mock
 from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire import vllm_handshake
 
-from ..faults.engines import GUARD, external_mock
-from ..helpers import make_request, make_ts_request
+from ..helpers import GUARD, make_request, make_ts_request
 
 
 def identity(rank: int) -> bytes:

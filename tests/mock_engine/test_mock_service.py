@@ -17,8 +17,9 @@ from zmqdispatch import ClientConfig, EngineDeadError, connect
 from zmqdispatch.mock.server import MockEngineConfig, serve_mock_engine, start_mock_engine
 from zmqdispatch.wire import vllm as wire
 
-from ..faults.engines import GUARD, external_mock, fixed_addresses
-from ..helpers import make_request, make_ts_request
+from zmqdispatch.testing import external_mock, fixed_addresses
+
+from ..helpers import GUARD, make_request, make_ts_request
 
 #: a stop must take well under a second; the bound only keeps a hang from
 #: blocking the suite (the machine may be busy)

@@ -9,11 +9,11 @@ import trio
 
 from zmqdispatch.errors import RequestRejected
 from zmqdispatch.protocol.mailbox import OutputDelta
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_request
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire import vllm_engine as wire_engine
 
-from ..client.conftest import fake_pair
 from .test_stops import IDS, TOK
 
 A, B, C, AB, NL, NLNL, STOP = IDS[b"a"], IDS[b"b"], IDS[b"c"], IDS[b"ab"], IDS[b"\n"], IDS[b"\n\n"], IDS[b"STOP"]

@@ -16,12 +16,12 @@ from hypothesis.extra import numpy as hnp
 
 from zmqdispatch import RequestRejected
 from zmqdispatch.errors import LocalProtocolError
-from zmqdispatch.testing.fake_engine import default_ready
+from zmqdispatch.testing import open_fake_engine_pair as fake_pair
+from zmqdispatch.testing import ready_response
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire.tensors import Tensor, as_c_bytes, check_tensor
 
 from ..helpers import make_request
-from ..client.conftest import fake_pair
 
 GUARD = 30
 
@@ -78,7 +78,7 @@ def test_non_contiguous_data_is_copied_in_c_order(make):
 
 
 def pair():
-    return fake_pair(ready=default_ready(), handshake_timeout=GUARD)
+    return fake_pair(ready=ready_response(), handshake_timeout=GUARD)
 
 
 async def send_and_receive(engine, client, request):

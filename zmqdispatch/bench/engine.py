@@ -8,8 +8,8 @@ benchmark measures (it reports its own maximum rate to prove it).
 Attaching (two ways, both vLLM 0.32's engine side, ``docs/vllm-wire.md`` §5.1):
 
 - ``--handshake-address ADDR``: dial the client's handshake ROUTER (HELLO ->
-  INIT -> ready response on the input socket -> READY), the sequence of
-  :mod:`zmqdispatch.mock.dial`. For ``zmqdispatch.connect()``.
+  INIT -> ready response on the input socket -> READY), with
+  :mod:`zmqdispatch.testing.dial`. For ``zmqdispatch.connect()``.
 - ``--input-address A --output-address B``: dial the data-plane sockets
   directly and send the ready response, which is what an engine does after an
   INIT handed out by someone else. For vLLM's own ``AsyncLLM`` /
@@ -76,9 +76,12 @@ from array import array
 from typing import Any
 
 import msgpack
+import trio
 import zmq
 
 from ..mock.core import MockEngineCore
+from ..testing.dial import dial as engine_dial
+from ..testing.dial import ready_response
 from ..wire import vllm as wire
 from ..wire import vllm_engine as wire_engine
 from ..wire import vllm_handshake as handshake
@@ -291,19 +294,6 @@ class StepEncoder:
 # ---------------------------------------------------------------------- attaching
 
 
-def _ready_response(max_model_len: int, engine_index: int) -> handshake.EngineCoreReadyResponse:
-    return handshake.EngineCoreReadyResponse(
-        max_model_len=max_model_len,
-        num_gpu_blocks=max(1, max_model_len // 16) * 64,
-        block_size=16,
-        dtype="float32",
-        vllm_version="0.32.0+zmqdispatch.bench",
-        data_parallel_rank=engine_index,
-        max_num_seqs=65536,
-        instance_id=f"zmqdispatch-bench-{engine_index}",
-    )
-
-
 def _data_sockets(
     ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes, input_address: str, output_address: str
 ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
@@ -331,33 +321,30 @@ def dial(
 ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
     """Attach like a vLLM engine; return the input DEALER and output PUSH.
 
-    With *handshake_address*: the blocking twin of :func:`zmqdispatch.mock.dial.dial`
-    (HELLO, INIT, ready response on the input socket, READY). Otherwise dial
-    *input_address* / *output_address* and send the ready response.
+    With *handshake_address*: the handshake of :func:`zmqdispatch.testing.dial.dial`
+    (HELLO, INIT, ready response on the input socket, READY), run once under
+    trio, its data-plane sockets then handed to this blocking loop. Otherwise
+    dial *input_address* / *output_address* (in *ctx*) and send the ready response.
 
     Raises:
-        TimeoutError: no INIT within *timeout* seconds.
+        TimeoutError: the handshake did not complete within *timeout* seconds.
     """
-    identity = engine_index.to_bytes(2, "little")
     if handshake_address is None:
         if input_address is None or output_address is None:
             raise ValueError("give a handshake address, or both input and output addresses")
-        inp, out = _data_sockets(ctx, identity, input_address, output_address)
+        inp, out = _data_sockets(ctx, engine_index.to_bytes(2, "little"), input_address, output_address)
         inp.send(handshake.encode_ready_response(ready))
         return inp, out
-    hs = ctx.socket(zmq.DEALER)
-    hs.setsockopt(zmq.IDENTITY, identity)
-    try:
-        hs.connect(handshake_address)
-        hs.send(handshake.encode_hello(local=True, headless=False))
-        if not hs.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no INIT from {handshake_address} within {timeout} s")
-        init = handshake.decode_init(hs.recv())
-        inp, out = _data_sockets(ctx, identity, init.inputs[0], init.outputs[0])
-        inp.send(handshake.encode_ready_response(ready))
-        hs.send(handshake.encode_ready(local=True, headless=False))
-    finally:
-        hs.close(linger=5000)  # as vLLM: READY must not be lost
+    address = handshake_address
+
+    async def attach() -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        with trio.move_on_after(timeout):
+            socks = await engine_dial(address, ready, engine_index=engine_index)
+            return socks.input.detach(), socks.output.detach()
+        raise TimeoutError(f"no handshake with {address} within {timeout} s")
+
+    inp, out = trio.run(attach)
+    out.setsockopt(zmq.LINGER, 1000)
     return inp, out
 
 
@@ -682,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
             socks.append(control)
         inp, out = dial(
             ctx,
-            _ready_response(args.max_model_len, args.engine_index),
+            ready_response(args.max_model_len, engine_index=args.engine_index, max_num_seqs=65536,
+                           build="zmqdispatch.bench"),
             engine_index=args.engine_index,
             handshake_address=args.handshake_address,
             input_address=args.input_address,

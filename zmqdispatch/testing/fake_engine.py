@@ -3,9 +3,10 @@
 The test drives it step by step: receive what the client sent
 (:meth:`FakeEngine.receive` -> :class:`Received`), push hand-built outputs,
 the ``ENGINE_CORE_DEAD`` sentinel or garbage, stop reading, disconnect. It
-speaks the real wire over real ``ipc://`` sockets (:mod:`zmqdispatch.mock.dial`).
+speaks the real wire (vLLM 0.32 ``EngineCoreRequest`` in, ``EngineCoreOutputs``
+out) over real ``ipc://`` sockets (:mod:`zmqdispatch.testing.dial`).
 
-Usage::
+Usage (or :func:`zmqdispatch.testing.open_fake_engine_pair`, which does this)::
 
     async with trio.open_nursery() as nursery:
         engine = FakeEngine(addr)
@@ -19,28 +20,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import trio
 
-from ..mock.dial import EngineSockets, dial
 from ..wire import vllm as wire
 from ..wire import vllm_engine as wire_engine
 from ..wire import vllm_handshake as handshake
+from .dial import EngineSockets, dial, ready_response
 
-__all__ = ["FakeEngine", "Received", "default_ready"]
-
-
-def default_ready(max_model_len: int = 1024, **kw: object) -> handshake.EngineCoreReadyResponse:
-    """A ready response like a small engine's (``max_model_len`` tokens)."""
-    return handshake.EngineCoreReadyResponse(
-        max_model_len=max_model_len,
-        num_gpu_blocks=64,
-        block_size=16,
-        dtype="float32",
-        vllm_version="0.32.0",
-        **kw,
-    )
+__all__ = ["FakeEngine", "Received"]
 
 
 @attrs.define
@@ -59,7 +49,8 @@ class FakeEngine:
 
     Args:
         handshake_address: the client's handshake address.
-        ready: the ready response to register with.
+        ready: the ready response to register with (default:
+            :func:`~zmqdispatch.testing.dial.ready_response`).
         engine_index: DP rank / identity.
         input_rcvhwm: receive HWM of the input DEALER (0 = unbounded as vLLM).
         send_ready: False = never send READY (handshake timeout tests).
@@ -75,7 +66,7 @@ class FakeEngine:
         send_ready: bool = True,
     ) -> None:
         self.handshake_address = handshake_address
-        self.ready = ready or default_ready()
+        self.ready = ready or ready_response()
         self.engine_index = engine_index
         self.input_rcvhwm = input_rcvhwm
         self.send_ready = send_ready
@@ -104,8 +95,9 @@ class FakeEngine:
         if kind == wire.RequestType.ADD:
             value: object = wire_engine.decode_request(frames[1:])
         elif kind == wire.RequestType.ABORT:
-            value = wire_engine.decode_abort(frames[1])
-            self.aborted.extend(value)  # type: ignore[arg-type]
+            aborted = wire_engine.decode_abort(frames[1])
+            self.aborted.extend(aborted)
+            value = aborted
         elif kind == wire.RequestType.UTILITY:
             value = wire_engine.decode_utility_call(frames[1])
         else:
@@ -126,8 +118,10 @@ class FakeEngine:
 
     # ---------------------------------------------------------------- output side
 
-    async def send_outputs(self, outputs: Sequence[wire_engine.EngineCoreOutput], **kw: object) -> None:
-        """Push one ``EngineCoreOutputs`` with *outputs* (timestamp = now)."""
+    async def send_outputs(self, outputs: Sequence[wire_engine.EngineCoreOutput], **kw: Any) -> None:
+        """Push one ``EngineCoreOutputs`` with *outputs*; *kw* are its other fields
+        (``wire.vllm_engine.encode_outputs``: ``timestamp``, default now; ``utility_output``,
+        ``finished_requests``, ...)."""
         assert self.socks is not None
         kw.setdefault("timestamp", time.monotonic())
         kw.setdefault("weight_version", "default")

@@ -1,7 +1,11 @@
-"""The engine side of vLLM's startup handshake: dial in like an EngineCore does.
+"""The engine side of the startup handshake: dial in like an EngineCore does.
 
-Shared by the mock engine program (:mod:`zmqdispatch.mock.server`) and the
-scripted fake engine of the tests (:mod:`zmqdispatch.testing.fake_engine`).
+The one engine-side dialer of the package, and the one factory of the ready
+response an engine registers with (:func:`ready_response`). Used by the
+scripted fake engine (:mod:`zmqdispatch.testing.fake_engine`), the mock engine
+program (:mod:`zmqdispatch.mock.server`) and the benchmark engine
+(:mod:`zmqdispatch.bench.engine`); a test may also call :func:`dial` itself to
+script an engine that stops part-way through its handshake.
 Sequence (vLLM 0.32 ``EngineCoreProc``, ``docs/vllm-wire.md`` §5.1):
 
 1. DEALER (identity = engine index, 2 bytes LE) connects to the handshake
@@ -21,14 +25,59 @@ output PUSH connects.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import attrs
 import zmq
 
 from .._zmq_trio import TrioSocket, ZmqContext
 from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm_handshake
+from ..wire.tokenspeed import TOKENSPEED_VERSION
 
-__all__ = ["EngineSockets", "dial"]
+__all__ = ["EngineSockets", "dial", "ready_response"]
+
+
+def ready_response(
+    max_model_len: int = 1024,
+    *,
+    runtime: Literal["vllm", "tokenspeed"] = "vllm",
+    engine_index: int = 0,
+    max_num_seqs: int = 1024,
+    build: str = "zmqdispatch.testing",
+    **fields: Any,
+) -> vllm_handshake.EngineCoreReadyResponse:
+    """The ready response of a small CPU engine, as the engine sends it after INIT.
+
+    Wire source: vLLM 0.32 ``EngineCoreProc``'s ready map, or TokenSpeed
+    0.1.1's (``runtime="tokenspeed"``: ``vllm_version`` is
+    ``tokenspeed-0.1.1+<build>``, which is how the client tells the runtimes
+    apart, and ``kv_cache_size_tokens`` is set). ``vllm_version`` is a checked
+    release (``0.32.0``) with ``+<build>`` as its local part, so the client's
+    version guard accepts it; ``num_gpu_blocks`` is 64 per 16 tokens of
+    ``max_model_len`` (block size 16); ``data_parallel_rank`` and
+    ``instance_id`` follow ``engine_index``. *fields* override any field of
+    ``wire.vllm_handshake.EngineCoreReadyResponse`` (e.g. ``vllm_version="0.34.0"`` to
+    test the guard).
+
+    Raises:
+        TypeError: a name in *fields* that is not a field of the response.
+    """
+    tokenspeed = runtime == "tokenspeed"
+    blocks = max(1, max_model_len // 16) * 64
+    values: dict[str, Any] = {
+        "max_model_len": max_model_len,
+        "num_gpu_blocks": blocks,
+        "block_size": 16,
+        "dtype": "float32",
+        "vllm_version": f"tokenspeed-{TOKENSPEED_VERSION}+{build}" if tokenspeed else f"0.32.0+{build}",
+        "data_parallel_rank": engine_index,
+        "max_num_seqs": max_num_seqs,
+        "instance_id": f"{build.replace('.', '-')}-{engine_index}",
+        "kv_cache_size_tokens": blocks * 16 if tokenspeed else None,
+    }
+    values.update(fields)
+    return vllm_handshake.EngineCoreReadyResponse(**values)
 
 
 @attrs.define(eq=False)
@@ -73,6 +122,7 @@ async def dial(
     input_rcvhwm: int = 0,
     tokenspeed: bool = False,
     monitor_input: bool = False,
+    hang_up_after: Literal["HELLO", "INIT", "READY"] | None = None,
 ) -> EngineSockets:
     """Do the engine half of the handshake and return the data-plane sockets.
 
@@ -81,7 +131,13 @@ async def dial(
     stays open (in ``EngineSockets.handshake``), as a slow engine's does.
     ``input_rcvhwm`` is 0 (unbounded) as in vLLM; a small value lets a test
     make the client's sends block. ``monitor_input`` adds
-    ``EngineSockets.input_monitor``.
+    ``EngineSockets.input_monitor``. ``hang_up_after`` scripts an engine that
+    dies in its handshake: right after sending HELLO, after receiving INIT, or
+    after sending READY, it closes every socket (what it sent is still
+    delivered: 1 s linger) and returns them closed. TokenSpeed sends READY
+    before its ready response, so that handshake never completes; vLLM sends
+    it last, so ``"READY"`` is an engine that dies as its handshake completes
+    (the client may see the handshake fail, or complete and the engine die).
 
     Raises:
         InvalidAddressError: libzmq refused an address (the handshake
@@ -97,28 +153,51 @@ async def dial(
     # Created before connect, so that no event of the input connection is missed.
     mon = inp.monitor(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED,
                       name="engine-input-monitor") if monitor_input else None
+
+    def hang_up(stage: str) -> bool:
+        if hang_up_after != stage:
+            return False
+        if mon is not None:
+            inp.disable_monitor()
+            mon.close()
+        for sock in (inp, out, hs):
+            sock.close(linger_ms=1000)
+        return True
+
     try:
         hs.connect(handshake_address, role="handshake_address")
         if tokenspeed:
             await hs.send([ts_engine.encode_hello()])
+            if hang_up("HELLO"):
+                return EngineSockets(inp, out, engine_index)
             # TokenSpeed takes the last frame of the INIT message as its payload.
             init = vllm_handshake.decode_init((await hs.recv_multipart())[-1])
+            if hang_up("INIT"):
+                return EngineSockets(inp, out, engine_index)
             if send_ready:
                 await hs.send([ts_engine.encode_ready()])
+            if hang_up("READY"):
+                return EngineSockets(inp, out, engine_index)
             inp.connect(init.inputs[0])
             if send_ready_response:
                 await inp.send([ts_engine.encode_ready_response(ready)])
             out.connect(init.outputs[0])
         else:
             await hs.send([vllm_handshake.encode_hello(local=local, headless=headless)])
+            if hang_up("HELLO"):
+                return EngineSockets(inp, out, engine_index)
             (init_payload,) = await hs.recv_multipart()
             init = vllm_handshake.decode_init(init_payload)
+            if hang_up("INIT"):
+                return EngineSockets(inp, out, engine_index)
             inp.connect(init.inputs[0])
             out.connect(init.outputs[0])
             if send_ready_response:
                 await inp.send([vllm_handshake.encode_ready_response(ready)])
             if send_ready:
                 await hs.send([vllm_handshake.encode_ready(local=local, headless=headless)])
+            if hang_up("READY"):
+                return EngineSockets(inp, out, engine_index)
     except BaseException:
         EngineSockets(inp, out, engine_index, hs, mon).close()
         raise
