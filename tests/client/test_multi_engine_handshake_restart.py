@@ -14,18 +14,18 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from zmqdispatch.mock.dial import dial
-from zmqdispatch.mock.server import _ready_response
 from zmqdispatch.multi import connect_engines
 from zmqdispatch.protocol.engines import EngineState
+from zmqdispatch.testing.dial import dial, ready_response
 
-from ..faults.engines import GUARD
+from ..helpers import GUARD
 from .test_multi_engine import rank_cfg, run_one, start_rank
 
 
 async def crash_mid_handshake(address: str, rank: int) -> None:
     """HELLO, receive the INIT, dial the pair, then die before READY."""
-    sockets = await dial(address, _ready_response(rank_cfg(address, rank)), engine_index=rank,
+    sockets = await dial(address, ready_response(rank_cfg(address, rank).max_model_len, engine_index=rank),
+                         engine_index=rank,
                          send_ready_response=False, send_ready=False)
     sockets.close()
 
