@@ -25,7 +25,7 @@ from zmqdispatch.errors import (
 )
 from zmqdispatch.mock.dial import dial
 from zmqdispatch.mock.server import MockEngineConfig, _ready_response, start_mock_engine
-from zmqdispatch.multi import MultiEngineClient, connect_engines
+from zmqdispatch.multi import ADDRESS_INDEX_STRIDE, MultiEngineClient, connect_engines
 from zmqdispatch.protocol.engines import EngineState
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
@@ -334,3 +334,51 @@ async def test_a_stream_group_places_each_member_and_aborts_by_handle(tmp_path):
                 await trio.testing.wait_all_tasks_blocked()
                 assert client.engine_of("long") is None
             assert [s.in_flight for s in client.states()] == [0, 0]
+
+
+async def test_independent_engines_on_two_handshake_addresses_both_rank_0(tmp_path):
+    """Two independent engines (two ``vllm serve``, each DP rank 0) dial two
+    handshake addresses: both are served, indexed by address position; one
+    dies, the other keeps serving."""
+    a, b = f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            await start_rank(nursery, rank_cfg(a, 0, step_interval=0.002))
+            await start_rank(nursery, rank_cfg(b, 0, step_interval=0.002, faults=(("sentinel", 15),)))
+            async with connect_engines([a, b], data_parallel_size=2, rng=random.Random(0)) as client:
+                second = ADDRESS_INDEX_STRIDE
+                assert [s.engine_index for s in client.states()] == [0, second]
+                assert client.origin(0) == (a, 0) and client.origin(second) == (b, 0)
+                # both serve: a pin to each, and an unpinned pair spreads over both
+                assert len(await run_one(client, "pa", max_tokens=2, data_parallel_rank=0)) == 2
+                assert len(await run_one(client, "pb", max_tokens=2, data_parallel_rank=second)) == 2
+                outcome: dict[str, object] = {}
+                where: dict[str, int] = {}
+
+                async def go(rid: str) -> None:
+                    try:
+                        async with client.generate(make_request(rid, max_tokens=60)) as stream:
+                            where[rid] = client.engine_of(rid)
+                            async for _ in stream:
+                                pass
+                        outcome[rid] = "done"
+                    except EngineDeadError as exc:
+                        outcome[rid] = exc
+
+                async with trio.open_nursery() as inner:
+                    for i in range(2):
+                        inner.start_soon(go, f"r{i}")
+                assert sorted(where.values()) == [0, second]
+                for rid, engine in where.items():
+                    if engine == 0:
+                        assert outcome[rid] == "done"
+                    else:
+                        exc = outcome[rid]
+                        assert isinstance(exc, EngineDeadError) and exc.engine_index == second
+                assert client.states()[1].state is EngineState.DEAD
+                for i in range(3):  # the engine of the other address keeps serving
+                    async with client.generate(make_request(f"n{i}", max_tokens=2)) as stream:
+                        assert client.engine_of(f"n{i}") == 0
+                        async for _ in stream:
+                            pass
+            nursery.cancel_scope.cancel()
