@@ -24,14 +24,16 @@ from zmqdispatch.errors import (
     RequestRejected,
 )
 from zmqdispatch.mock.dial import dial
-from zmqdispatch.mock.server import MockEngineConfig, _ready_response, start_mock_engine
+from zmqdispatch.mock.server import MockEngineConfig, _ready_response, serve_mock_ranks, start_mock_engine
 from zmqdispatch.multi import ADDRESS_INDEX_STRIDE, MultiEngineClient, connect_engines
 from zmqdispatch.protocol.engines import EngineState
+from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
 
 from ..faults.engines import GUARD
 from ..helpers import make_request as _make_request
+from ..helpers import make_ts_request
 
 
 def make_request(rid: str, *, data_parallel_rank: int | None = None, **sp: object) -> wire.EngineCoreRequest:
@@ -381,4 +383,100 @@ async def test_independent_engines_on_two_handshake_addresses_both_rank_0(tmp_pa
                         assert client.engine_of(f"n{i}") == 0
                         async for _ in stream:
                             pass
+            nursery.cancel_scope.cancel()
+
+
+def ts_rank_cfg(address: str, rank: int, **kw: object) -> MockEngineConfig:
+    return rank_cfg(address, rank, runtime="tokenspeed", data_parallel_size=2, **kw)
+
+
+async def run_ts(client, rid: str, max_new_tokens: int = 4, **kw: object) -> list[int]:
+    tokens: list[int] = []
+    async with client.generate(attrs.evolve(make_ts_request(rid, max_new_tokens=max_new_tokens), **kw)) as stream:
+        async for delta in stream:
+            tokens += delta.token_ids
+    return tokens
+
+
+async def test_tokenspeed_ranks_spread_and_their_load_snapshots_reach_placement(tmp_path):
+    """``zmqdispatch mock-engine --runtime tokenspeed --data-parallel-size 2``
+    (its ranks, :func:`serve_mock_ranks`) behind one client."""
+    address = f"ipc://{tmp_path}/hs.sock"
+    cfg = MockEngineConfig(handshake_address=address, runtime="tokenspeed", data_parallel_size=2,
+                           data_parallel_size_local=2, step_interval=0.003)
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(serve_mock_ranks, cfg, in_process=True))
+            async with connect_engines(address, data_parallel_size=2, rng=random.Random(0)) as client:
+                assert client.runtime is Runtime.TOKENSPEED
+                assert [s.engine_index for s in client.states()] == [0, 1]
+                first_tokens = 0
+                seen_all = trio.Event()
+                where: dict[str, int] = {}
+                results: dict[str, list[int]] = {}
+
+                async def go(rid: str) -> None:
+                    nonlocal first_tokens
+                    toks: list[int] = []
+                    async with client.generate(make_ts_request(rid, max_new_tokens=80)) as stream:
+                        where[rid] = client.engine_of(rid)
+                        async for delta in stream:
+                            if not toks:
+                                first_tokens += 1
+                                if first_tokens == 4:
+                                    seen_all.set()
+                            toks += delta.token_ids
+                    results[rid] = toks
+
+                async with trio.open_nursery() as inner:
+                    for i in range(4):
+                        inner.start_soon(go, f"t{i}")
+                    await seen_all.wait()
+                    # each rank's batches carry its load tail; placement holds it
+                    # while this client has requests there
+                    loads = client.loads()
+                    assert [(lo.engine_index, lo.in_flight) for lo in loads] == [(0, 2), (1, 2)]
+                    assert [lo.reported_running for lo in loads] == [2, 2], loads
+                    assert all(lo.kv_cache_usage is not None for lo in loads)
+                assert sorted(where.values()) == [0, 0, 1, 1]  # spread
+                assert len({tuple(t) for t in results.values()}) == 1 and len(results["t0"]) == 80
+                # no request left: the reports are void again
+                assert [(lo.in_flight, lo.reported_running) for lo in client.loads()] == [(0, None), (0, None)]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_tokenspeed_rank_death_fails_only_its_requests(tmp_path):
+    address = f"ipc://{tmp_path}/hs.sock"
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            await start_rank(nursery, ts_rank_cfg(address, 0, step_interval=0.002))
+            await start_rank(nursery, ts_rank_cfg(address, 1, step_interval=0.002, faults=(("sentinel", 20),)))
+            async with connect_engines(address, data_parallel_size=2, rng=random.Random(0)) as client:
+                outcome: dict[str, object] = {}
+                where: dict[str, int] = {}
+
+                async def go(rid: str) -> None:
+                    try:
+                        async with client.generate(make_ts_request(rid, max_new_tokens=60)) as stream:
+                            where[rid] = client.engine_of(rid)
+                            async for _ in stream:
+                                pass
+                        outcome[rid] = "done"
+                    except EngineDeadError as exc:
+                        outcome[rid] = exc
+
+                async with trio.open_nursery() as inner:
+                    for i in range(4):
+                        inner.start_soon(go, f"t{i}")
+                assert sorted(where.values()) == [0, 0, 1, 1]
+                for rid, engine in where.items():
+                    if engine == 0:
+                        assert outcome[rid] == "done"
+                    else:
+                        exc = outcome[rid]
+                        assert isinstance(exc, EngineDeadError) and exc.engine_index == 1, exc
+                assert [s.state for s in client.states()] == [EngineState.UP, EngineState.DEAD]
+                assert len(await run_ts(client, "after", 3)) == 3 and client.states()[0].in_flight == 0
+                with pytest.raises(EngineDeadError):
+                    client.generate(attrs.evolve(make_ts_request("pin"), data_parallel_rank=1))
             nursery.cancel_scope.cancel()
