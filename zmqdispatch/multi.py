@@ -29,7 +29,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -203,6 +203,7 @@ class MultiEngineClient:
         self._members: dict[int, _Member] = {}
         self._drains: dict[int, trio.Event] = {}
         self._changed = trio.Event()  # set (and replaced) on every engine state change
+        self._pending: Mapping[int, Any] = {}  # the handshakes under way, by engine_index (set by the shell)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -255,6 +256,13 @@ class MultiEngineClient:
     def loads(self) -> tuple[EngineLoad, ...]:
         """What placement sees of each engine (own requests, reported load terms)."""
         return self._placement.loads()
+
+    @property
+    def pending_handshakes(self) -> tuple[int, ...]:
+        """The ``engine_index`` of each engine whose handshake is under way (it
+        said HELLO, not yet READY), at most ``limits.MAX_PENDING_HANDSHAKES``
+        (or ``data_parallel_size``) at once."""
+        return tuple(sorted(self._pending))
 
     @property
     def up_count(self) -> int:
@@ -661,6 +669,8 @@ async def connect_engines(
                for _ in range(max(1, len(addresses)))]
     process: trio.Process | None = None
     pending: dict[int, _Pending] = {}  # by engine_index
+    client._pending = pending
+    max_pending = max(limits.MAX_PENDING_HANDSHAKES, data_parallel_size)
     startup = True
     startup_error: list[BaseException] = []
     started = trio.Event()
@@ -729,6 +739,7 @@ async def connect_engines(
                 raise
             _log.warning("engine %d (identity %s): handshake failed: %s", index, p.identity.hex(), exc)
             fail_startup(exc)
+            client._state_changed()
             return
         if pending.get(index) is p:
             del pending[index]
@@ -787,6 +798,11 @@ async def connect_engines(
                 del pending[index]
                 p.scope.cancel()
                 p = None
+            if p is None and len(pending) >= max_pending:
+                _log.warning("handshake on %s: HELLO from identity %s refused: %d handshakes are under way, the "
+                             "most at once (limits.MAX_PENDING_HANDSHAKES); it may dial again", address,
+                             identity.hex(), len(pending))
+                continue
             try:
                 if p is None:
                     old = client._members.get(index)

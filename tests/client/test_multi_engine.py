@@ -5,6 +5,7 @@ address with its own identity and is served on a socket pair of its own."""
 from __future__ import annotations
 
 import functools
+import logging
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from zmqdispatch import ClientConfig, connect
+from zmqdispatch import ClientConfig, connect, limits
 from zmqdispatch.errors import (
     EngineDeadError,
     EngineDrainingError,
@@ -480,3 +481,31 @@ async def test_a_tokenspeed_rank_death_fails_only_its_requests(tmp_path):
                 with pytest.raises(EngineDeadError):
                     client.generate(attrs.evolve(make_ts_request("pin"), data_parallel_rank=1))
             nursery.cancel_scope.cancel()
+
+
+async def test_pending_handshakes_are_capped_and_one_that_dies_is_dropped_and_can_return(tmp_path, monkeypatch,
+                                                                                         caplog):
+    monkeypatch.setattr(limits, "MAX_PENDING_HANDSHAKES", 2)
+    caplog.set_level(logging.WARNING, logger="zmqdispatch")
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 1, config=ClientConfig(handshake_timeout=1.0)) as (
+                client, nursery, address):
+            # three engines dial after startup and never say READY (they die mid-handshake)
+            doomed = [await start_rank(nursery, rank_cfg(address, r, faults=(("no-ready", 0),))) for r in (5, 6, 7)]
+            while "refused: 2 handshakes are under way" not in caplog.text:
+                await trio.sleep(0.01)  # the third HELLO arrives after the other two
+            assert len(client.pending_handshakes) == 2  # the cap: no third socket pair
+            held = list(client._pending.values())
+            assert all(not s.closed for p in held for s in p.sockets())
+            for scope in doomed:
+                scope.cancel()
+            while client.pending_handshakes:  # dropped at handshake_timeout
+                await client._changed.wait()
+            assert all(s.closed for p in held for s in p.sockets())  # their pairs are closed
+            assert "handshake timed out" in caplog.text
+            assert [s.engine_index for s in client.states()] == [0]
+            # the same identity dials again, whole this time: served
+            await start_rank(nursery, rank_cfg(address, held[0].engine_index))
+            await client.wait_for_engines(2)
+            rid_rank = held[0].engine_index
+            assert len(await run_one(client, "back", max_tokens=3, data_parallel_rank=rid_rank)) == 3
