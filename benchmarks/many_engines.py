@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections import Counter
 from typing import Any
 
 import trio
@@ -61,7 +60,7 @@ async def throughput(n: int, many: bool) -> None:
     mock = _mock() + (["--data-parallel-size", str(n)] if n > 1 else [])
     before = _fds()
     cm = connect_engines(launch=mock, data_parallel_size=n) if many else connect(launch=mock)
-    placed: Counter[int] = Counter()
+    counts: list[int] = []
     async with cm as client:
         fds = _fds() - before
         tokens = 0
@@ -69,8 +68,6 @@ async def throughput(n: int, many: bool) -> None:
         async def one(i: int) -> None:
             nonlocal tokens
             async with client.generate(_request(f"r{i}")) as stream:
-                engine = client.engine_of(f"r{i}") if isinstance(client, MultiEngineClient) else 0
-                placed[engine if engine is not None else -1] += 1
                 async for delta in stream:
                     tokens += len(delta.token_ids)
 
@@ -79,10 +76,11 @@ async def throughput(n: int, many: bool) -> None:
             for i in range(REQUESTS):
                 nursery.start_soon(one, i)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if isinstance(client, MultiEngineClient):
+            counts = [s.requests for s in client.stats().values()]  # requests sent to each engine
     label = f"connect_engines, {n} engine(s)" if many else "connect, 1 engine"
     balance = ""
-    if many and n > 1:
-        counts = [placed[i] for i in range(n)]
+    if len(counts) > 1:
         balance = f"  requests per engine {counts} (most/least {max(counts)}/{min(counts)})"
     print(f"{label:32} fds +{fds:3d}  {tokens / wall:9,.0f} tokens/s  {cpu / tokens * 1e6:5.1f} us CPU/token"
           + balance, flush=True)
