@@ -63,8 +63,11 @@ from .errors import (
     ZmqDispatchError,
 )
 from .metrics import EngineStats
+from .multi import ADDRESS_INDEX_STRIDE, MultiEngineClient, connect_engines
 from .protocol.deadlines import Deadlines
+from .protocol.engines import EngineState, EngineStatus
 from .protocol.mailbox import OutputDelta
+from .protocol.placement import EngineLoad
 from .protocol.runtime import Runtime
 from .streams import (
     EngineRequest,
@@ -88,6 +91,7 @@ from .translate.vllm import translate_parallel as translate_vllm_samples
 from .translate.vllm import translate_request as translate_vllm_request
 
 __all__ = [  # every public name, written out (static tools read this list)
+    "ADDRESS_INDEX_STRIDE",
     "AddressBindError",
     "AddressError",
     "ClientConfig",
@@ -102,15 +106,19 @@ __all__ = [  # every public name, written out (static tools read this list)
     "EngineError",
     "EngineHandshakeError",
     "EngineHandshakeTimeout",
+    "EngineLoad",
     "EngineRequest",
     "EngineRequestError",
     "EngineSession",
+    "EngineState",
     "EngineStats",
+    "EngineStatus",
     "GroupItem",
     "GroupMember",
     "InvalidAddressError",
     "LoRARequest",
     "LocalProtocolError",
+    "MultiEngineClient",
     "NoEngineAvailableError",
     "OutputDelta",
     "RemoteProtocolError",
@@ -135,6 +143,7 @@ __all__ = [  # every public name, written out (static tools read this list)
     "ZmqDispatchError",
     "__version__",
     "connect",
+    "connect_engines",
     "errors",
     "tokenspeed_pb",
     "translate_tokenspeed_request",

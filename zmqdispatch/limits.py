@@ -88,6 +88,17 @@ DEFAULT_HANDSHAKE_TIMEOUT = 600.0
 #: send froze the whole client).
 DEFAULT_SEND_TIMEOUT = 10.0
 
+#: Most engine handshakes a many-engine client (``zmqdispatch.multi``) runs at
+#: once; a HELLO from a new identity past it is refused (logged at WARNING) and
+#: the engine may dial again. Each pending handshake binds a socket pair and
+#: its two monitors (about 10 file descriptors) and lasts until READY, which a
+#: real engine sends only after loading its model (minutes; up to
+#: ``handshake_timeout``), so a flood of HELLOs from made-up identities would
+#: otherwise bind sockets without bound. 64 (about 640 fds) stays under the
+#: usual 1024 soft limit; at startup the cap is at least ``data_parallel_size``,
+#: since all ranks of a DP group dial at once.
+MAX_PENDING_HANDSHAKES = 64
+
 #: Messages queued towards one engine before sends block (``SNDHWM``); with
 #: ``ROUTER_MANDATORY`` a full pipe gives EAGAIN instead of a silent drop.
 DEFAULT_SEND_HWM = 10_000

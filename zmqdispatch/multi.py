@@ -29,7 +29,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -77,7 +77,14 @@ from .streams import (
     open_samples,
 )
 
-__all__ = ["MultiEngineClient", "connect_engines"]
+__all__ = ["ADDRESS_INDEX_STRIDE", "MultiEngineClient", "connect_engines"]
+
+#: The ``engine_index`` step between handshake addresses: an engine that dialed
+#: the k-th address (0-based, in the order given) has ``engine_index`` ``k *
+#: ADDRESS_INDEX_STRIDE + identity``. The identity is 2 bytes (vLLM: the DP rank;
+#: TokenSpeed: ``zmq_engine_index + dp_rank``), so no two addresses can collide,
+#: and the engines of the first (or only) address keep their identity as index.
+ADDRESS_INDEX_STRIDE = 1 << 16
 
 _log = logging.getLogger("zmqdispatch.client")
 
@@ -169,6 +176,8 @@ class _Member:
     connection: EngineConnection
     route: Route
     sockets: list[TrioSocket]
+    handshake_address: str = ""
+    identity: bytes = b""
 
 
 class MultiEngineClient:
@@ -194,6 +203,7 @@ class MultiEngineClient:
         self._members: dict[int, _Member] = {}
         self._drains: dict[int, trio.Event] = {}
         self._changed = trio.Event()  # set (and replaced) on every engine state change
+        self._pending: Mapping[int, Any] = {}  # the handshakes under way, by engine_index (set by the shell)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -231,9 +241,28 @@ class MultiEngineClient:
         route = self._set.route(request_id)
         return None if route is None else route.engine_index
 
+    def origin(self, engine_index: int) -> tuple[str, int]:
+        """Where an engine came from: ``(handshake address it dialed, its
+        identity as an int)`` (vLLM: its DP rank). ``engine_index`` is
+        ``position of that address * ADDRESS_INDEX_STRIDE + identity``.
+
+        Raises:
+            LocalProtocolError: no engine has that index.
+        """
+        self.engine(engine_index)
+        m = self._members[engine_index]
+        return m.handshake_address, int.from_bytes(m.identity, "little")
+
     def loads(self) -> tuple[EngineLoad, ...]:
         """What placement sees of each engine (own requests, reported load terms)."""
         return self._placement.loads()
+
+    @property
+    def pending_handshakes(self) -> tuple[int, ...]:
+        """The ``engine_index`` of each engine whose handshake is under way (it
+        said HELLO, not yet READY), at most ``limits.MAX_PENDING_HANDSHAKES``
+        (or ``data_parallel_size``) at once."""
+        return tuple(sorted(self._pending))
 
     @property
     def up_count(self) -> int:
@@ -498,6 +527,8 @@ class _Pending:
     """An engine mid-handshake: its machine and its fresh socket pair."""
 
     identity: bytes
+    engine_index: int
+    handshake_address: str
     machine: Handshake
     inp: TrioSocket
     out: TrioSocket
@@ -549,12 +580,19 @@ async def connect_engines(
     Args:
         handshake_address: where the engines dial (``tcp://HOST:PORT`` for
             ``vllm serve --headless --data-parallel-address HOST
-            --data-parallel-rpc-port PORT``), or several addresses (one
-            socket bound to each). Default: a private ``ipc://`` path. The
+            --data-parallel-rpc-port PORT``), or several addresses, one
+            handshake ROUTER each (independent engines, e.g. two ``vllm
+            serve``, each DP rank 0): an engine's ``engine_index`` is
+            ``k * ADDRESS_INDEX_STRIDE + identity`` for the k-th address
+            (0-based, in the order given), so engines of the first address
+            keep their rank as index and ``data_parallel_rank`` pins that
+            index (:meth:`MultiEngineClient.origin` maps it back). Default: a
+            private ``ipc://`` path. The
             socket stays open: engines that dial later (scale out, a restarted
             rank) are handshaken and placed while the client runs.
-        data_parallel_size: engines to wait for before yielding (vLLM's name;
-            each engine's identity, its DP rank, is its ``engine_index``).
+        data_parallel_size: engines to wait for before yielding, over every
+            address (vLLM's name; on the first address each engine's identity,
+            its DP rank, is its ``engine_index``).
         quorum: below this many ``up`` engines :meth:`MultiEngineClient.generate`
             refuses new requests (``NoEngineAvailableError``); requests on
             live engines go on, and the client serves again once engines return.
@@ -621,12 +659,18 @@ async def connect_engines(
         return sock.bind(prepared, role=role)
 
     client = MultiEngineClient(config=config, quorum=quorum, rng=rng)
-    # handover: a restarted engine dials with its old identity, possibly before
-    # libzmq reaped the dead process's connection (none at all when its host
-    # vanished without closing it); the newcomer must get the identity.
-    hs = ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True, router_handover=True)
+    # One handshake ROUTER per address: engines of different addresses may
+    # share an identity (two independent engines, both DP rank 0), which one
+    # ROUTER could not tell apart. Handover: a restarted engine dials with its
+    # old identity, possibly before libzmq reaped the dead process's connection
+    # (none at all when its host vanished without closing it); the newcomer
+    # must get the identity.
+    sockets = [ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True, router_handover=True)
+               for _ in range(max(1, len(addresses)))]
     process: trio.Process | None = None
-    pending: dict[bytes, _Pending] = {}
+    pending: dict[int, _Pending] = {}  # by engine_index
+    client._pending = pending
+    max_pending = max(limits.MAX_PENDING_HANDSHAKES, data_parallel_size)
     startup = True
     startup_error: list[BaseException] = []
     started = trio.Event()
@@ -636,9 +680,8 @@ async def connect_engines(
             startup_error.append(exc)
             started.set()
 
-    async def new_pair(identity: bytes) -> _Pending:
+    async def new_pair(identity: bytes, index: int, address: str) -> _Pending:
         n = next(seq)
-        index = int.from_bytes(identity, "little")
         inp = ctx.socket(zmq.ROUTER, name="input", router_mandatory=True, sndhwm=config.send_hwm)
         out = ctx.socket(zmq.PULL, name="output", rcvhwm=0, maxmsgsize=limits.MAX_FRAME_BYTES)
         out_monitor = out.monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
@@ -659,7 +702,7 @@ async def connect_engines(
             raise
         machine = Handshake(now=trio.current_time(), timeout=config.handshake_timeout,
                             input_address=in_addr, output_address=out_addr)
-        return _Pending(identity, machine, inp, out, monitor, out_monitor, in_addr, out_addr)
+        return _Pending(identity, index, address, machine, inp, out, monitor, out_monitor, in_addr, out_addr)
 
     async def engine_handshake(p: _Pending, nursery: trio.Nursery) -> None:
         """The rest of one engine's handshake (its ready response on its own
@@ -668,7 +711,7 @@ async def connect_engines(
             await _engine_handshake(p, nursery)
 
     async def _engine_handshake(p: _Pending, nursery: trio.Nursery) -> None:
-        index = int.from_bytes(p.identity, "little")
+        index = p.engine_index
         try:
             with trio.fail_after(max(0.0, p.machine.deadline - trio.current_time())):
                 while p.machine.wants_ready_responses:
@@ -685,8 +728,8 @@ async def connect_engines(
                     f"engine {index} is a {resolved.value} engine; this client's engines are {client.runtime.value}"
                 )
         except BaseException as exc:
-            if pending.get(p.identity) is p:
-                del pending[p.identity]
+            if pending.get(index) is p:
+                del pending[index]
             _close_sockets(p.sockets())
             if isinstance(exc, trio.TooSlowError):
                 exc = EngineHandshakeTimeout(
@@ -696,9 +739,10 @@ async def connect_engines(
                 raise
             _log.warning("engine %d (identity %s): handshake failed: %s", index, p.identity.hex(), exc)
             fail_startup(exc)
+            client._state_changed()
             return
-        if pending.get(p.identity) is p:
-            del pending[p.identity]
+        if pending.get(index) is p:
+            del pending[index]
         link = EngineLink(now=trio.current_time(), silence_timeout=config.silence_timeout,
                           watch_input=config.death_on_disconnect, await_output_reconnect=config.death_on_disconnect)
         link.engine_index = index
@@ -711,11 +755,11 @@ async def connect_engines(
                                 pause_gc_while_routing=config.pause_gc_while_routing)
         engine = EngineClient(connection=conn, ready=ready, config=config)
         engine._bound_input, engine._bound_output = p.input_address, p.output_address
-        member = _Member(engine, conn, Route(index, 0), p.sockets())
+        member = _Member(engine, conn, Route(index, 0), p.sockets(), p.handshake_address, identity)
         client._engine_joined(member)
-        _log.info("engine %d ready (identity %s, incarnation %d): %s, version %s, max_model_len %d; input %s, "
-                  "output %s", index, identity.hex(), member.route.incarnation, resolved.value, ready.vllm_version,
-                  ready.max_model_len, p.input_address, p.output_address)
+        _log.info("engine %d ready (identity %s on %s, incarnation %d): %s, version %s, max_model_len %d; "
+                  "input %s, output %s", index, identity.hex(), p.handshake_address, member.route.incarnation,
+                  resolved.value, ready.vllm_version, ready.max_model_len, p.input_address, p.output_address)
         if startup and client.up_count >= data_parallel_size:
             started.set()
         nursery.start_soon(serve_engine, member)
@@ -731,25 +775,36 @@ async def connect_engines(
             conn._link.close()
             _close_sockets(member.sockets)
 
-    async def handshake_side(nursery: trio.Nursery) -> None:
+    async def handshake_side(nursery: trio.Nursery, hs: TrioSocket, base: int, address: str) -> None:
+        """The handshake ROUTER of one address: its engines' HELLO and READY."""
         while True:
             frames = await hs.recv_multipart()
             identity = frames[0] if frames else b""
-            p = pending.get(identity)
+            rank = int.from_bytes(identity, "little")
+            if rank >= ADDRESS_INDEX_STRIDE:
+                _log.warning("handshake on %s: identity %s refused: an engine identity is 2 bytes (its rank)",
+                             address, identity.hex())
+                continue
+            index = base + rank
+            p = pending.get(index)
             if p is not None and is_hello(frames):
                 # HELLO again from an identity mid-handshake: that engine
                 # restarted before READY (it crashed while loading, its
                 # supervisor started it again); the INIT went to a process
                 # that is gone. Drop that attempt (its task closes its sockets)
                 # and start over.
-                _log.warning("handshake: engine identity %s said HELLO again during its handshake (it "
-                             "restarted); starting its handshake over", identity.hex())
-                del pending[identity]
+                _log.warning("handshake on %s: engine identity %s said HELLO again during its handshake (it "
+                             "restarted); starting its handshake over", address, identity.hex())
+                del pending[index]
                 p.scope.cancel()
                 p = None
+            if p is None and len(pending) >= max_pending:
+                _log.warning("handshake on %s: HELLO from identity %s refused: %d handshakes are under way, the "
+                             "most at once (limits.MAX_PENDING_HANDSHAKES); it may dial again", address,
+                             identity.hex(), len(pending))
+                continue
             try:
                 if p is None:
-                    index = int.from_bytes(identity, "little")
                     old = client._members.get(index)
                     if old is not None and old.connection._protocol.state is LinkState.READY:
                         # Same identity, a new HELLO: that rank restarted; its old
@@ -757,13 +812,13 @@ async def connect_engines(
                         old.connection._protocol.engine_died(EngineDeadError(
                             f"engine {index} dialed the handshake again (it restarted)", engine_index=index,
                             reason="restarted"))
-                    p = await new_pair(identity)
+                    p = await new_pair(identity, index, address)
                     try:
                         step = p.machine.handshake_received(frames, trio.current_time())
                     except BaseException:
                         _close_sockets(p.sockets())
                         raise
-                    pending[identity] = p
+                    pending[index] = p
                     _log.info("handshake: HELLO from engine identity %s (%s); sending INIT (input %s, output %s)",
                               identity.hex(), "local" if step.local else "remote", p.input_address,
                               p.output_address)
@@ -779,8 +834,8 @@ async def connect_engines(
                         _log.info("handshake: READY from engine identity %s", identity.hex())
                         p.ready_status.set()
             except (EngineHandshakeError, AddressBindError) as exc:
-                if p is not None and pending.get(identity) is p:
-                    del pending[identity]
+                if p is not None and pending.get(index) is p:
+                    del pending[index]
                     _close_sockets(p.sockets())
                 _log.warning("handshake: identity %s refused: %s", identity.hex(), exc)
                 fail_startup(exc)
@@ -796,8 +851,8 @@ async def connect_engines(
             m.connection._act(m.connection._link.process_exited(process.pid, code, now))
 
     try:
-        bound = [await bind(hs, a, "handshake_address") for a in addresses] or [
-            await bind(hs, ipc("handshake.sock"), "handshake_address")]
+        bound = [await bind(hs, a, "handshake_address")
+                 for hs, a in zip(sockets, addresses or [ipc("handshake.sock")], strict=True)]
         _log.info("bound handshake %s; waiting for %d engine(s), timeout %s s", ", ".join(bound),
                   data_parallel_size, config.handshake_timeout, extra={"zmqdispatch_wait": True})
         if launch is not None:
@@ -813,7 +868,8 @@ async def connect_engines(
             _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(handshake_side, nursery)
+                for k, (hs, address) in enumerate(zip(sockets, bound, strict=True)):
+                    nursery.start_soon(handshake_side, nursery, hs, k * ADDRESS_INDEX_STRIDE, address)
                 if process is not None:
                     nursery.start_soon(watch_process)
                 with trio.move_on_after(config.handshake_timeout) as startup_scope:
@@ -847,7 +903,8 @@ async def connect_engines(
         client._closed = True
         for p in list(pending.values()):
             _close_sockets(p.sockets())
-        hs.close()
+        for hs in sockets:
+            hs.close()
         try:
             if process is not None:
                 await _terminate(process, config.terminate_grace)

@@ -5,6 +5,7 @@ address with its own identity and is served on a socket pair of its own."""
 from __future__ import annotations
 
 import functools
+import logging
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from zmqdispatch import ClientConfig, connect
+from zmqdispatch import ClientConfig, connect, limits
 from zmqdispatch.errors import (
     EngineDeadError,
     EngineDrainingError,
@@ -23,15 +24,17 @@ from zmqdispatch.errors import (
     NoEngineAvailableError,
     RequestRejected,
 )
-from zmqdispatch.mock.server import MockEngineConfig, start_mock_engine
-from zmqdispatch.multi import MultiEngineClient, connect_engines
+from zmqdispatch.mock.server import MockEngineConfig, serve_mock_ranks, start_mock_engine
+from zmqdispatch.multi import ADDRESS_INDEX_STRIDE, MultiEngineClient, connect_engines
 from zmqdispatch.protocol.engines import EngineState
+from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.testing import dial, ready_response
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
 
 from ..helpers import GUARD
 from ..helpers import make_request as _make_request
+from ..helpers import make_ts_request
 
 
 def make_request(rid: str, *, data_parallel_rank: int | None = None, **sp: object) -> wire.EngineCoreRequest:
@@ -335,3 +338,190 @@ async def test_a_stream_group_places_each_member_and_aborts_by_handle(tmp_path):
                 await trio.testing.wait_all_tasks_blocked()
                 assert client.engine_of("long") is None
             assert [s.in_flight for s in client.states()] == [0, 0]
+
+
+async def test_independent_engines_on_two_handshake_addresses_both_rank_0(tmp_path):
+    """Two independent engines (two ``vllm serve``, each DP rank 0) dial two
+    handshake addresses: both are served, indexed by address position; one
+    dies, the other keeps serving."""
+    a, b = f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            await start_rank(nursery, rank_cfg(a, 0, step_interval=0.002))
+            await start_rank(nursery, rank_cfg(b, 0, step_interval=0.002, faults=(("sentinel", 15),)))
+            async with connect_engines([a, b], data_parallel_size=2, rng=random.Random(0)) as client:
+                second = ADDRESS_INDEX_STRIDE
+                assert [s.engine_index for s in client.states()] == [0, second]
+                assert client.origin(0) == (a, 0) and client.origin(second) == (b, 0)
+                # both serve: a pin to each, and an unpinned pair spreads over both
+                assert len(await run_one(client, "pa", max_tokens=2, data_parallel_rank=0)) == 2
+                assert len(await run_one(client, "pb", max_tokens=2, data_parallel_rank=second)) == 2
+                outcome: dict[str, object] = {}
+                where: dict[str, int] = {}
+
+                async def go(rid: str) -> None:
+                    try:
+                        async with client.generate(make_request(rid, max_tokens=60)) as stream:
+                            where[rid] = client.engine_of(rid)
+                            async for _ in stream:
+                                pass
+                        outcome[rid] = "done"
+                    except EngineDeadError as exc:
+                        outcome[rid] = exc
+
+                async with trio.open_nursery() as inner:
+                    for i in range(2):
+                        inner.start_soon(go, f"r{i}")
+                assert sorted(where.values()) == [0, second]
+                for rid, engine in where.items():
+                    if engine == 0:
+                        assert outcome[rid] == "done"
+                    else:
+                        exc = outcome[rid]
+                        assert isinstance(exc, EngineDeadError) and exc.engine_index == second
+                assert client.states()[1].state is EngineState.DEAD
+                for i in range(3):  # the engine of the other address keeps serving
+                    async with client.generate(make_request(f"n{i}", max_tokens=2)) as stream:
+                        assert client.engine_of(f"n{i}") == 0
+                        async for _ in stream:
+                            pass
+            nursery.cancel_scope.cancel()
+
+
+def ts_rank_cfg(address: str, rank: int, **kw: object) -> MockEngineConfig:
+    return rank_cfg(address, rank, runtime="tokenspeed", data_parallel_size=2, **kw)
+
+
+async def run_ts(client, rid: str, max_new_tokens: int = 4, **kw: object) -> list[int]:
+    tokens: list[int] = []
+    async with client.generate(attrs.evolve(make_ts_request(rid, max_new_tokens=max_new_tokens), **kw)) as stream:
+        async for delta in stream:
+            tokens += delta.token_ids
+    return tokens
+
+
+async def test_tokenspeed_ranks_spread_and_their_load_snapshots_reach_placement(tmp_path):
+    """``zmqdispatch mock-engine --runtime tokenspeed --data-parallel-size 2``
+    (its ranks, :func:`serve_mock_ranks`) behind one client."""
+    address = f"ipc://{tmp_path}/hs.sock"
+    cfg = MockEngineConfig(handshake_address=address, runtime="tokenspeed", data_parallel_size=2,
+                           data_parallel_size_local=2, step_interval=0.003)
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(serve_mock_ranks, cfg, in_process=True))
+            async with connect_engines(address, data_parallel_size=2, rng=random.Random(0)) as client:
+                assert client.runtime is Runtime.TOKENSPEED
+                assert [s.engine_index for s in client.states()] == [0, 1]
+                first_tokens = 0
+                seen_all = trio.Event()
+                where: dict[str, int] = {}
+                results: dict[str, list[int]] = {}
+
+                async def go(rid: str) -> None:
+                    nonlocal first_tokens
+                    toks: list[int] = []
+                    async with client.generate(make_ts_request(rid, max_new_tokens=80)) as stream:
+                        where[rid] = client.engine_of(rid)
+                        async for delta in stream:
+                            if not toks:
+                                first_tokens += 1
+                                if first_tokens == 4:
+                                    seen_all.set()
+                            toks += delta.token_ids
+                    results[rid] = toks
+
+                async with trio.open_nursery() as inner:
+                    for i in range(4):
+                        inner.start_soon(go, f"t{i}")
+                    await seen_all.wait()
+                    # each rank's batches carry its load tail; placement holds it
+                    # while this client has requests there
+                    loads = client.loads()
+                    assert [(lo.engine_index, lo.in_flight) for lo in loads] == [(0, 2), (1, 2)]
+                    assert [lo.reported_running for lo in loads] == [2, 2], loads
+                    assert all(lo.kv_cache_usage is not None for lo in loads)
+                assert sorted(where.values()) == [0, 0, 1, 1]  # spread
+                assert len({tuple(t) for t in results.values()}) == 1 and len(results["t0"]) == 80
+                # no request left: the reports are void again
+                assert [(lo.in_flight, lo.reported_running) for lo in client.loads()] == [(0, None), (0, None)]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_tokenspeed_rank_death_fails_only_its_requests(tmp_path):
+    address = f"ipc://{tmp_path}/hs.sock"
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            await start_rank(nursery, ts_rank_cfg(address, 0, step_interval=0.002))
+            await start_rank(nursery, ts_rank_cfg(address, 1, step_interval=0.002, faults=(("sentinel", 20),)))
+            async with connect_engines(address, data_parallel_size=2, rng=random.Random(0)) as client:
+                outcome: dict[str, object] = {}
+                where: dict[str, int] = {}
+
+                async def go(rid: str) -> None:
+                    try:
+                        async with client.generate(make_ts_request(rid, max_new_tokens=60)) as stream:
+                            where[rid] = client.engine_of(rid)
+                            async for _ in stream:
+                                pass
+                        outcome[rid] = "done"
+                    except EngineDeadError as exc:
+                        outcome[rid] = exc
+
+                async with trio.open_nursery() as inner:
+                    for i in range(4):
+                        inner.start_soon(go, f"t{i}")
+                assert sorted(where.values()) == [0, 0, 1, 1]
+                for rid, engine in where.items():
+                    if engine == 0:
+                        assert outcome[rid] == "done"
+                    else:
+                        exc = outcome[rid]
+                        assert isinstance(exc, EngineDeadError) and exc.engine_index == 1, exc
+                assert [s.state for s in client.states()] == [EngineState.UP, EngineState.DEAD]
+                assert len(await run_ts(client, "after", 3)) == 3 and client.states()[0].in_flight == 0
+                with pytest.raises(EngineDeadError):
+                    client.generate(attrs.evolve(make_ts_request("pin"), data_parallel_rank=1))
+            nursery.cancel_scope.cancel()
+
+
+async def test_pending_handshakes_are_capped_and_one_that_dies_is_dropped_and_can_return(tmp_path, monkeypatch,
+                                                                                         caplog):
+    monkeypatch.setattr(limits, "MAX_PENDING_HANDSHAKES", 2)
+    caplog.set_level(logging.WARNING, logger="zmqdispatch")
+    refused = trio.Event()
+
+    class RefusalWatch(logging.Handler):  # the refusal's WARNING is its only sign
+        def emit(self, record: logging.LogRecord) -> None:
+            if "refused: 2 handshakes are under way" in record.getMessage():
+                refused.set()
+
+    watch = RefusalWatch()
+    logging.getLogger("zmqdispatch").addHandler(watch)
+    try:
+        await _capped_handshakes(tmp_path, caplog, refused)
+    finally:
+        logging.getLogger("zmqdispatch").removeHandler(watch)
+
+
+async def _capped_handshakes(tmp_path, caplog, refused: trio.Event) -> None:
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 1, config=ClientConfig(handshake_timeout=1.0)) as (
+                client, nursery, address):
+            # three engines dial after startup and never say READY (they die mid-handshake)
+            doomed = [await start_rank(nursery, rank_cfg(address, r, faults=(("no-ready", 0),))) for r in (5, 6, 7)]
+            await refused.wait()  # the third HELLO arrives after the other two
+            assert len(client.pending_handshakes) == 2  # the cap: no third socket pair
+            held = list(client._pending.values())
+            assert all(not s.closed for p in held for s in p.sockets())
+            for scope in doomed:
+                scope.cancel()
+            while client.pending_handshakes:  # dropped at handshake_timeout
+                await client._changed.wait()
+            assert all(s.closed for p in held for s in p.sockets())  # their pairs are closed
+            assert "handshake timed out" in caplog.text
+            assert [s.engine_index for s in client.states()] == [0]
+            # the same identity dials again, whole this time: served
+            await start_rank(nursery, rank_cfg(address, held[0].engine_index))
+            await client.wait_for_engines(2)
+            rid_rank = held[0].engine_index
+            assert len(await run_one(client, "back", max_tokens=3, data_parallel_rank=rid_rank)) == 3

@@ -46,6 +46,11 @@ def test_all_is_a_literal_list_of_names_that_exist() -> None:
                  "VllmResponseBuilder", "translate_tokenspeed_request", "TokenSpeedTranslationConfig",
                  "TokenSpeedResponseBuilder", "RequestStream", "SampleStream", "StreamGroup", "GroupMember"):
         assert name in names
+    # many engines: the client, its entry point, and the states a caller reads from it
+    for name in ("MultiEngineClient", "connect_engines", "EngineState", "EngineStatus", "EngineLoad",
+                 "ADDRESS_INDEX_STRIDE", "NoEngineAvailableError", "EngineDrainingError"):
+        assert name in names
+    assert zmqdispatch.connect_engines is zmqdispatch.multi.connect_engines
 
 
 def test_there_is_no_abort_by_id_on_the_client() -> None:

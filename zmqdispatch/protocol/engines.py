@@ -62,7 +62,8 @@ class EngineStatus:
 
     Attributes:
         engine_index: the engine's identity index (vLLM DP rank; TokenSpeed
-            ``zmq_engine_index + dp_rank``).
+            ``zmq_engine_index + dp_rank``), offset by 65536 per handshake
+            address after the first (``zmqdispatch.multi.ADDRESS_INDEX_STRIDE``).
         state: up, draining or dead.
         incarnation: 0 for the first handshake, +1 per :meth:`EngineSet.engine_returned`.
         in_flight: this client's requests on the engine (its current incarnation).
