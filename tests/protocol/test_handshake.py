@@ -176,7 +176,7 @@ def test_no_timeout_means_no_deadline():
 
 def test_a_lock_step_vllm_rank_is_refused_and_says_why():
     from zmqdispatch.protocol.handshake import check_not_lockstep
-    from zmqdispatch.wire import vllm as wire
+    from zmqdispatch.wire import vllm_handshake as wire
 
     lockstep = wire.EngineCoreReadyResponse(max_model_len=64, data_parallel_size=4, data_parallel_rank=2)
     with pytest.raises(EngineHandshakeError, match=r"data_parallel_rank 2.*data_parallel_size 4.*wave protocol"):
