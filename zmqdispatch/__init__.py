@@ -22,15 +22,6 @@ shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
 import logging as _logging
 from importlib import metadata as _metadata
 
-# A library is silent unless its user configures logging (docs/operations.md).
-_logging.getLogger("zmqdispatch").addHandler(_logging.NullHandler())
-
-try:
-    #: the installed distribution's version (``pyproject.toml``)
-    __version__ = _metadata.version("zmqdispatch")
-except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0+unknown"
-
 # The public names. Everything a gateway needs comes from here; the
 # submodules hold the rest (wire codecs, the sans-IO core, the mock engine).
 from . import errors
@@ -89,6 +80,16 @@ from .translate.vllm import TranslationConfig as VllmTranslationConfig
 from .translate.vllm import pb as vllm_pb
 from .translate.vllm import translate_parallel as translate_vllm_samples
 from .translate.vllm import translate_request as translate_vllm_request
+
+# A library is silent unless its user configures logging (docs/operations.md).
+# No module of the package logs while it is imported, so the handler can come last.
+_logging.getLogger("zmqdispatch").addHandler(_logging.NullHandler())
+
+try:
+    #: the installed distribution's version (``pyproject.toml``)
+    __version__ = _metadata.version("zmqdispatch")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [  # every public name, written out (static tools read this list)
     "ADDRESS_INDEX_STRIDE",

@@ -40,11 +40,13 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import NoReturn
+from types import ModuleType
+from typing import NoReturn, cast
 
 import trio
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from . import __version__
 from .addresses import check_address
@@ -270,14 +272,16 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--top-k", type=int, help="unset: the proto default (disabled)")
     src.add_argument("--seed", type=int, help="seed (TokenSpeed: sampling_seed); unset: random")
     src.add_argument("--stop-token-ids", type=_int_list, metavar="IDS", help="e.g. 7,9")
-    src.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable; needs --tokenizer)")
+    src.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop string (repeatable; needs --tokenizer)")
     src.add_argument("-n", "--n", type=int, dest="n", help="samples per request (fan-out); unset: 1")
     src.add_argument("--no-stream", action="store_true", help="print only the complete")
     eng = g.add_argument_group("engine")
     how = eng.add_mutually_exclusive_group()
     how.add_argument("--handshake-address", metavar="ADDR",
                      help="bind here (tcp://HOST:PORT or ipc://PATH) and wait for an engine to dial in")
-    how.add_argument("--launch", type=_launch_command, metavar="CMD", help="engine command; {handshake_address} is substituted")
+    how.add_argument("--launch", type=_launch_command, metavar="CMD",
+                     help="engine command; {handshake_address} is substituted")
     eng.add_argument("--data-parallel-size", type=_bounded_int(1, 65536), metavar="N",
                      help="serve N engines (the ranks of one `vllm serve --data-parallel-size N`, or N that "
                           "dial in): wait for N on the handshake, place each request on one; the embedded "
@@ -410,7 +414,9 @@ def _load_request(args: argparse.Namespace) -> object:
     return _request_from_flags(args, pb)
 
 
-def _in_range(message: type, field: str, value: object, flag: str, path: str) -> object:
+def _in_range(
+    message: type[Message], field: str, value: float | list[int] | list[float], flag: str, path: str
+) -> float | list[int] | list[float]:
     """*value* (or each item of a list) when it fits proto field *field* of *message*.
 
     Raises:
@@ -418,7 +424,7 @@ def _in_range(message: type, field: str, value: object, flag: str, path: str) ->
             float field, not finite.
     """
     fd = message.DESCRIPTOR.fields_by_name[field]
-    items = value if isinstance(value, list) else [value]
+    items: list[int] | list[float] = value if isinstance(value, list) else [value]
     if fd.type in _INT_RANGES:
         kind, lo, hi = _INT_RANGES[fd.type]
         for v in items:
@@ -445,7 +451,7 @@ _SAMPLING_FLAGS = (
 )
 
 
-def _request_from_flags(args: argparse.Namespace, pb: object) -> object:
+def _request_from_flags(args: argparse.Namespace, pb: ModuleType) -> Message:
     """A ``GenerateRequest`` of the runtime's proto package from the flags.
 
     Raises:
@@ -477,8 +483,10 @@ def _request_from_flags(args: argparse.Namespace, pb: object) -> object:
     )
 
 
-def _pb(args: argparse.Namespace):  # the proto module of the runtime
-    return ts_translate.pb if args.runtime == "tokenspeed" else vllm_translate.pb
+def _pb(args: argparse.Namespace) -> ModuleType:
+    """The generated proto module of the runtime (``vllm_engine_pb2`` or TokenSpeed's)."""
+    # smg_grpc_proto ships no annotations (no py.typed, no stubs): its modules are Any to mypy.
+    return cast(ModuleType, ts_translate.pb if args.runtime == "tokenspeed" else vllm_translate.pb)
 
 
 def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
@@ -623,14 +631,18 @@ def _load_tokenizer(path: str | None) -> object | None:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise RequestRejected("--tokenizer needs the 'tokenizers' package: pip install 'zmqdispatch[tokenizers]'") from None
+        raise RequestRejected(
+            "--tokenizer needs the 'tokenizers' package: pip install 'zmqdispatch[tokenizers]'"
+        ) from None
     try:
         return Tokenizer.from_file(path)
     except Exception as exc:  # the library raises its own Exception type for a bad file
         raise RequestRejected(f"--tokenizer {path!r}: cannot load: {exc}") from None
 
 
-def _translate(args: argparse.Namespace, req: object, max_model_len: int, engine_index: int | None) -> list:
+def _translate(
+    args: argparse.Namespace, req: object, max_model_len: int, engine_index: int | None
+) -> list[vllm_translate.Translation] | list[ts_translate.Translation]:
     """``translate_parallel`` of the runtime's translation module."""
     if args.runtime == "tokenspeed":
         config = ts_translate.TranslationConfig(

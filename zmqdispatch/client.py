@@ -87,7 +87,7 @@ LoRARequest = control.LoRARequest
 _log = logging.getLogger("zmqdispatch.client")
 
 
-def _check_bind_address(_: object, attribute: attrs.Attribute, value: str | None) -> None:
+def _check_bind_address(_: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
     if value is not None:
         check_address(value, role=attribute.name)
 
@@ -814,7 +814,7 @@ class EngineClient:
     # the engine: a pause with mode="wait" or a sleep answers only once running
     # requests are done, so give those a timeout that covers them.
 
-    async def _control(self, call: control.ControlCall, timeout: float | None) -> Any:
+    async def _control(self, call: control.ControlCall[control.R], timeout: float | None) -> control.R:
         return call.parse(await self.call_utility(call.method, *call.args, timeout=timeout))
 
     async def sleep(self, level: int = 1, mode: control.PauseMode = "abort", *,

@@ -40,7 +40,7 @@ max_iterations=None[, profiler_kwargs=None in 0.33])``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeGuard
+from typing import Any, Generic, Literal, TypeGuard, TypeVar
 
 import attrs
 
@@ -79,10 +79,13 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 #: with ``enable_sleep_mode``).
 SLEEP_LEVELS: tuple[int, ...] = (0, 1, 2)
 
+#: the parsed result type of a :class:`ControlCall`
+R = TypeVar("R")
+
 
 @attrs.frozen
-class ControlCall:
-    """One typed utility call, ready to send.
+class ControlCall(Generic[R]):
+    """One typed utility call, ready to send (``ControlCall[R]``: its reply parses to ``R``).
 
     Attributes:
         name: the client method's name (for messages).
@@ -94,7 +97,7 @@ class ControlCall:
     name: str
     method: str
     args: tuple[Any, ...]
-    parse: Callable[[Any], Any]
+    parse: Callable[[Any], R]
 
 
 def _is_int(v: Any) -> TypeGuard[int]:
@@ -257,7 +260,7 @@ def _trim(args: list[Any]) -> tuple[Any, ...]:
 # ---------------------------------------------------------------------- sleep / wake
 
 
-def sleep(version: EngineVersion, level: int = 1, mode: str = "abort") -> ControlCall:
+def sleep(version: EngineVersion, level: int = 1, mode: str = "abort") -> ControlCall[None]:
     """``sleep(level, mode)``: pause scheduling (*mode* decides what running
     requests do) and, at level 1 / 2, release device memory. Result ``None``."""
     _require(version, "sleep")
@@ -266,7 +269,7 @@ def sleep(version: EngineVersion, level: int = 1, mode: str = "abort") -> Contro
     return ControlCall("sleep", "sleep", (level, _mode(mode)), _none("sleep"))
 
 
-def wake_up(version: EngineVersion, tags: Sequence[str] | None = None) -> ControlCall:
+def wake_up(version: EngineVersion, tags: Sequence[str] | None = None) -> ControlCall[bool]:
     """``wake_up(tags)``: bring back what sleep released (``None``: all;
     ``["weights"]``, ``["kv_cache"]``; ``["scheduling"]`` after a level-0
     sleep). Result: whether the engine is fully awake (``bool``)."""
@@ -280,7 +283,7 @@ def wake_up(version: EngineVersion, tags: Sequence[str] | None = None) -> Contro
     return ControlCall("wake_up", "wake_up", (tags,), _bool("wake_up"))
 
 
-def is_sleeping(version: EngineVersion) -> ControlCall:
+def is_sleeping(version: EngineVersion) -> ControlCall[bool]:
     """``is_sleeping()``: paused scheduling or released memory (``bool``)."""
     _require(version, "is_sleeping")
     return ControlCall("is_sleeping", "is_sleeping", (), _bool("is_sleeping"))
@@ -289,7 +292,7 @@ def is_sleeping(version: EngineVersion) -> ControlCall:
 # ---------------------------------------------------------------------- pause / resume
 
 
-def pause_scheduler(version: EngineVersion, mode: str = "abort", clear_cache: bool = True) -> ControlCall:
+def pause_scheduler(version: EngineVersion, mode: str = "abort", clear_cache: bool = True) -> ControlCall[None]:
     """``pause_scheduler(mode, clear_cache)``: stop scheduling; new requests are
     queued until :func:`resume_scheduler`. Result ``None``."""
     _require(version, "pause_scheduler")
@@ -297,13 +300,13 @@ def pause_scheduler(version: EngineVersion, mode: str = "abort", clear_cache: bo
                        _none("pause_scheduler"))
 
 
-def resume_scheduler(version: EngineVersion) -> ControlCall:
+def resume_scheduler(version: EngineVersion) -> ControlCall[None]:
     """``resume_scheduler()``: schedule again (and run what was queued). Result ``None``."""
     _require(version, "resume_scheduler")
     return ControlCall("resume_scheduler", "resume_scheduler", (), _none("resume_scheduler"))
 
 
-def is_scheduler_paused(version: EngineVersion) -> ControlCall:
+def is_scheduler_paused(version: EngineVersion) -> ControlCall[bool]:
     """``is_scheduler_paused()`` (``bool``)."""
     _require(version, "is_scheduler_paused")
     return ControlCall("is_scheduler_paused", "is_scheduler_paused", (), _bool("is_scheduler_paused"))
@@ -312,7 +315,7 @@ def is_scheduler_paused(version: EngineVersion) -> ControlCall:
 _PAUSE_HINT = " (pause_scheduler / resume_scheduler exist on every known version)"
 
 
-def pause_generation(version: EngineVersion, mode: str = "abort", clear_cache: bool = True) -> ControlCall:
+def pause_generation(version: EngineVersion, mode: str = "abort", clear_cache: bool = True) -> ControlCall[None]:
     """vLLM >= 0.33 ``pause_generation(mode, clear_cache)``: ``pause_scheduler``
     for a user pause; with ``"abort"`` / ``"wait"`` the engine also *refuses* new
     requests (a retryable ``engine_paused`` error) until
@@ -322,7 +325,7 @@ def pause_generation(version: EngineVersion, mode: str = "abort", clear_cache: b
                        _none("pause_generation"))
 
 
-def resume_generation(version: EngineVersion) -> ControlCall:
+def resume_generation(version: EngineVersion) -> ControlCall[None]:
     """vLLM >= 0.33: end a :func:`pause_generation` (the engine method is
     ``resume_scheduler``, which in 0.33 also lifts the refusal). Result ``None``."""
     _require(version, "resume_generation", (0, 33), _PAUSE_HINT)
@@ -334,7 +337,7 @@ def resume_generation(version: EngineVersion) -> ControlCall:
 
 def reset_prefix_cache(
     version: EngineVersion, reset_running_requests: bool = False, reset_connector: bool = False
-) -> ControlCall:
+) -> ControlCall[bool]:
     """``reset_prefix_cache(reset_running_requests, reset_connector)``: drop the
     cached prefix blocks. Result: whether it was reset (``False`` when blocks are
     still in use and ``reset_running_requests`` is False)."""
@@ -346,7 +349,7 @@ def reset_prefix_cache(
 # ---------------------------------------------------------------------- LoRA
 
 
-def add_lora(version: EngineVersion, lora: LoRARequest) -> ControlCall:
+def add_lora(version: EngineVersion, lora: LoRARequest) -> ControlCall[bool]:
     """``add_lora(LoRARequest)``: load an adapter (the engine must run with
     LoRA enabled). Result: whether it was loaded (``bool``)."""
     _require(version, "add_lora")
@@ -355,19 +358,19 @@ def add_lora(version: EngineVersion, lora: LoRARequest) -> ControlCall:
     return ControlCall("add_lora", "add_lora", (lora.to_wire(),), _bool("add_lora"))
 
 
-def remove_lora(version: EngineVersion, lora_id: int) -> ControlCall:
+def remove_lora(version: EngineVersion, lora_id: int) -> ControlCall[bool]:
     """``remove_lora(lora_int_id)``. Result: whether it was loaded (``bool``)."""
     _require(version, "remove_lora")
     return ControlCall("remove_lora", "remove_lora", (_lora_id(lora_id),), _bool("remove_lora"))
 
 
-def pin_lora(version: EngineVersion, lora_id: int) -> ControlCall:
+def pin_lora(version: EngineVersion, lora_id: int) -> ControlCall[bool]:
     """``pin_lora(lora_int_id)``: never evict it. Result ``bool``."""
     _require(version, "pin_lora")
     return ControlCall("pin_lora", "pin_lora", (_lora_id(lora_id),), _bool("pin_lora"))
 
 
-def list_loras(version: EngineVersion) -> ControlCall:
+def list_loras(version: EngineVersion) -> ControlCall[frozenset[int]]:
     """``list_loras()``: the loaded adapters' ``lora_int_id`` s (``frozenset[int]``;
     vLLM returns a set, sent as an array)."""
     _require(version, "list_loras")
@@ -384,7 +387,7 @@ def collective_rpc(
     timeout: float | None = None,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
-) -> ControlCall:
+) -> ControlCall[list[Any]]:
     """``collective_rpc(method, timeout, args, kwargs)``: run a worker method on
     every worker. *method* must be a name (a function would travel pickled, which
     engines refuse unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` and this client
@@ -418,7 +421,7 @@ def profile(
     delay_iterations: int | None = None,
     max_iterations: int | None = None,
     profiler_kwargs: Mapping[str, Any] | None = None,
-) -> ControlCall:
+) -> ControlCall[None]:
     """``profile(is_start, profile_prefix, delay_iterations, max_iterations[,
     profiler_kwargs])``: start or stop the workers' profiler (the engine must run
     with a profiler configured, e.g. ``--profiler-config``; otherwise the call

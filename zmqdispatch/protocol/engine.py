@@ -760,10 +760,10 @@ class EngineProtocol:
             self.stats.routed(msg.outputs, len(msg.outputs) - (self.unknown_outputs - unknown), self.now)
         if msg.bad_rows:
             self.bad_rows += len(msg.bad_rows)
-            unattributed = [exc for rid, exc in msg.bad_rows if rid is None]
-            for rid, exc in msg.bad_rows:
-                if rid is not None and rid in requests:
-                    self._fail_requests([rid], exc)
+            unattributed = [row_error for bad_rid, row_error in msg.bad_rows if bad_rid is None]
+            for bad_rid, row_error in msg.bad_rows:
+                if bad_rid is not None and bad_rid in requests:
+                    self._fail_requests([bad_rid], row_error)
             if unattributed:
                 # A row without a readable id may have been any request that got
                 # no valid row in this message (one row per request per step).
@@ -936,7 +936,7 @@ class EngineProtocol:
             )
         requests = self._requests
         self._requests = {}
-        for rid, entry in requests.items():
+        for entry in requests.values():
             entry.fail(EngineDeadError(str(exc), engine_index=exc.engine_index, reason=exc.reason))
             if entry.add.state in (SendState.QUEUED, SendState.SENDING):
                 entry.add._settle(SendState.FAILED)

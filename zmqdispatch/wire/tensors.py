@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, cast
 
 import attrs
 import msgpack
@@ -150,6 +151,10 @@ def _nbytes(buf: Any) -> int:
     return buf.nbytes if type(buf) is memoryview else len(buf)
 
 
+def _shape(dims: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dims)
+
+
 @attrs.frozen
 class Tensor:
     """A decoded ``[dtype, shape, data]`` triple: raw bytes plus how to read them.
@@ -171,7 +176,7 @@ class Tensor:
     """
 
     dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
     data: bytes | bytearray | memoryview
 
     @property
@@ -227,7 +232,7 @@ class Tensor:
         return _reshape(flat, self.shape)
 
     @classmethod
-    def from_array(cls, array: Any, *, dtype: str | None = None, torch: bool = True) -> "Tensor":
+    def from_array(cls, array: Any, *, dtype: str | None = None, torch: bool = True) -> Tensor:
         """A tensor over *array*'s memory, in any layout (sent in C order).
 
         Args:
@@ -257,7 +262,8 @@ class Tensor:
                 mv = memoryview(array)
             except TypeError:
                 raise LocalProtocolError(f"{type(array).__name__} has no buffer interface") from None
-            shape = tuple(mv.shape)
+            # typeshed types memoryview.shape as Optional; CPython always gives a tuple (() for 0-d).
+            shape = cast("tuple[int, ...]", mv.shape)
             np_dtype = getattr(getattr(array, "dtype", None), "str", None)
             name = (_DTYPES[np_dtype].name if np_dtype in _DTYPES and not _DTYPES[np_dtype].big_endian
                     else _FORMATS.get((mv.format.lstrip("@=<"), mv.itemsize), ""))
@@ -273,7 +279,7 @@ class Tensor:
         return cls(info.name, shape, data)
 
     @classmethod
-    def from_values(cls, dtype: str, shape: Sequence[int], values: Sequence[Any]) -> "Tensor":
+    def from_values(cls, dtype: str, shape: Sequence[int], values: Sequence[Any]) -> Tensor:
         """Build a little-endian tensor from a flat sequence of Python numbers.
 
         Used by tests and the mock engine. bfloat16 rounds to nearest-even from float32.

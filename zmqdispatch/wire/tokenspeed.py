@@ -268,9 +268,9 @@ class TokenSpeedSamplingParams:
       have derived (TokenSpeed keeps a normalized ``top_k = -1`` as -1).
 
     :func:`zmqdispatch.protocol.checks_tokenspeed.sampling_params_error` mirrors
-    ``SamplingParams.verify``; the engine turns a failure into a terminal ``"abort"`` frame. Sequences are tuples; ``stop`` and ``stop_strs``
-    keep a lone ``str`` a ``str`` (it travels as one). An int given for a float field is
-    stored as a float.
+    ``SamplingParams.verify``; the engine turns a failure into a terminal ``"abort"`` frame.
+    Sequences are tuples; ``stop`` and ``stop_strs`` keep a lone ``str`` a ``str`` (it
+    travels as one). An int given for a float field is stored as a float.
     """
 
     max_new_tokens: int | None = _field(None, _opt_int)

@@ -324,7 +324,9 @@ class SamplingParams:
     skip_clone: bool = _field(False, _k_bool)
     output_text_buffer_length: int = _field(0, _k_int)
     eos_token_id: int | None = _field(None, _opt_int, wire="_eos_token_id")
-    all_stop_token_ids: tuple[int, ...] = _field((), _int_seq, wire="_all_stop_token_ids", converter=_conv_tuple_or_empty)
+    all_stop_token_ids: tuple[int, ...] = _field(
+        (), _int_seq, wire="_all_stop_token_ids", converter=_conv_tuple_or_empty
+    )
     watermarking_skipped: bool = _field(False, _k_bool, wire="_watermarking_skipped")
     structured_outputs: StructuredOutputsParams | None = _field(
         None, _k_opt(_wrap_map_struct(StructuredOutputsParams, "structured_outputs"))
@@ -637,7 +639,8 @@ class EngineCoreOutputs:
     Attributes:
         engine_index: the sending engine's index (DP rank).
         outputs: raw ``EngineCoreOutput`` rows, each a tuple of at least :data:`ROW_LEN`
-            elements indexed with the ``O_*`` constants (``O_ERROR``: :func:`output_error`). Checked: ``[O_REQUEST_ID]`` str,
+            elements indexed with the ``O_*`` constants (``O_ERROR``: :func:`output_error`).
+            Checked: ``[O_REQUEST_ID]`` str,
             ``[O_NEW_TOKEN_IDS]`` tuple of non-negative ints (the step's *new* tokens),
             ``[O_FINISH_REASON]`` nil or 0..4, ``[O_STOP_REASON]`` nil/int/str,
             ``[O_PREFILL_STATS]`` nil or map. Other positions are raw msgpack values
