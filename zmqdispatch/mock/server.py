@@ -40,6 +40,7 @@ Faults (``--fault KIND[:N]``, repeatable), for the failure tests:
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 import math
@@ -47,6 +48,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 
 import attrs
 import trio
@@ -91,7 +93,7 @@ def parse_fault(spec: str) -> tuple[str, int]:
     kind, _, n = spec.partition(":")
     if kind not in FAULT_KINDS:
         raise ValueError(f"unknown fault {kind!r}; choose from {', '.join(FAULT_KINDS)}")
-    if n and not n.isascii() or n and not n.isdigit():
+    if n and not (n.isascii() and n.isdigit()):
         raise ValueError(f"fault count must be a whole number >= 0, got {n!r}")
     count = int(n) if n else 0
     return kind, count
@@ -140,10 +142,10 @@ class _Exited(Exception):
     """An in-process mock engine "exited" (see :func:`start_mock_engine`)."""
 
 
-def _exit(engine: object, code: int, *, flush: bool = False) -> None:
+def _exit(engine: _EngineLoop, code: int, *, flush: bool = False) -> None:
     """Exit the mock engine's process at once (no cleanup, like a crash), or, for an
     in-process engine (tests), stop it with its sockets closed."""
-    if getattr(engine, "in_process", False):
+    if engine.in_process:
         raise _Exited(code)
     if flush:
         time.sleep(0.2)  # let libzmq flush the sentinel; nothing else may run now
@@ -161,19 +163,43 @@ def _input_thread_would_die(req: wire.EngineCoreRequest) -> bool:
     )
 
 
-class _EngineLoop:
+class _EngineLoop(abc.ABC):
     """The stepping loop both mock engines share: send queued extras (replies,
     admission aborts), step while requests run (paced by ``step_interval``), and
-    apply the step-counted faults. Subclasses set ``label``, ``cfg``, ``socks``,
-    ``core``, ``extra`` (encoded messages), ``wake``, ``fatal``, ``steps``, and
-    implement :meth:`_step_frames` and :meth:`reader`."""
+    apply the step-counted faults. Subclasses set ``label`` and ``core`` (their
+    runtime's scheduler state) and implement :meth:`_schedulable`,
+    :meth:`_step_frames`, :meth:`reader` and :meth:`shutdown`."""
 
     label = "mock engine"
     sentinel = wire.ENGINE_CORE_DEAD  # the same 16 bytes on both runtimes
 
-    def _step_frames(self) -> list[bytes] | None:  # pragma: no cover - abstract
+    def __init__(self, cfg: MockEngineConfig, socks: EngineSockets) -> None:
+        self.cfg = cfg
+        self.socks = socks
+        #: encoded messages (replies, admission aborts) the stepper sends before its next step
+        self.extra: list[list[bytes]] = []
+        self.wake = trio.Event()
+        #: set by the reader on a fatal error: the stepper sends the sentinel and exits
+        self.fatal: str | None = None
+        self.steps = 0
+        #: set by :func:`start_mock_engine`: an "exit" ends :meth:`run` instead of the process
+        self.in_process = False
+
+    @abc.abstractmethod
+    def _schedulable(self) -> bool:
+        """Whether a step would do anything."""
+
+    @abc.abstractmethod
+    def _step_frames(self) -> list[bytes] | None:
         """Advance the core one step; the message to send, or None."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    async def reader(self) -> None:
+        """Read the input socket until the reader stops (as the real engine's would)."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """What the engine sends on SIGTERM (best effort; the sockets stay open)."""
 
     async def stepper(self) -> None:
         out = self.socks.output
@@ -193,7 +219,7 @@ class _EngineLoop:
                 _exit(self, 1, flush=True)
             while self.extra:
                 await out.send(self.extra.pop(0))
-            if not getattr(self.core, "schedulable", self.core.running):
+            if not self._schedulable():
                 self.wake = trio.Event()
                 await self.wake.wait()
                 next_step = trio.current_time()
@@ -203,7 +229,7 @@ class _EngineLoop:
                 await trio.sleep_until(next_step)
             else:
                 await trio.sleep(0)
-            if self.fatal is not None or not getattr(self.core, "schedulable", self.core.running):
+            if self.fatal is not None or not self._schedulable():
                 continue
             self.steps += 1
             if sentinel_at is not None and self.steps > sentinel_at:
@@ -231,21 +257,18 @@ class _EngineLoop:
             self.socks.close()
 
 
-
 class _MockEngine(_EngineLoop):
     def __init__(self, cfg: MockEngineConfig, socks: EngineSockets) -> None:
-        self.cfg = cfg
-        self.socks = socks
+        super().__init__(cfg, socks)
         self.core = MockEngineCore(
             engine_index=cfg.engine_index,
             max_model_len=cfg.max_model_len,
             vocab_size=cfg.vocab_size,
             tokens_per_step=cfg.tokens_per_step,
         )
-        self.extra: list[list[bytes]] = []  # utility replies / error outputs, sent by the stepper
-        self.wake = trio.Event()
-        self.fatal: str | None = None
-        self.steps = 0
+
+    def _schedulable(self) -> bool:
+        return self.core.schedulable
 
     def _poke(self) -> None:
         self.wake.set()
@@ -289,10 +312,9 @@ class _MockEngine(_EngineLoop):
                     if self.core.utility_outputs:  # a pause that aborted requests: their finishes first
                         outs, self.core.utility_outputs = self.core.utility_outputs, []
                         self.extra.append(self._encode(outs, finished=tuple(o.request_id for o in outs)))
-                    self.extra.append(
-                        self._encode([], utility=wire.UtilityOutput(call_id=call.call_id, failure_message=failure,
-                                                                    result=None if failure else wire.UtilityResult(result)))
-                    )
+                    utility = wire.UtilityOutput(call_id=call.call_id, failure_message=failure,
+                                                 result=None if failure else wire.UtilityResult(result))
+                    self.extra.append(self._encode([], utility=utility))
                     self._poke()
                 elif kind == wire.RequestType.START_DP_WAVE:
                     pass
@@ -301,7 +323,8 @@ class _MockEngine(_EngineLoop):
             except Exception:
                 return  # undecodable payload: the input thread dies silently
 
-    def _encode(self, outputs, *, finished=None, utility=None) -> list[bytes]:
+    def _encode(self, outputs: Sequence[wire_engine.EngineCoreOutput], *, finished: tuple[str, ...] | None = None,
+                utility: wire.UtilityOutput | None = None) -> list[bytes]:
         return wire_engine.encode_outputs(
             self.cfg.engine_index,
             outputs,
@@ -328,8 +351,7 @@ class _TokenSpeedMockEngine(_EngineLoop):
     label = "mock tokenspeed"
 
     def __init__(self, cfg: MockEngineConfig, socks: EngineSockets) -> None:
-        self.cfg = cfg
-        self.socks = socks
+        super().__init__(cfg, socks)
         self.core = MockTokenSpeedScheduler(
             engine_index=cfg.engine_index,
             max_model_len=cfg.max_model_len,
@@ -339,12 +361,11 @@ class _TokenSpeedMockEngine(_EngineLoop):
             stream_interval=cfg.stream_interval,
             enable_output_logprobs=cfg.enable_output_logprobs,
         )
-        self.extra: list[list[bytes]] = []  # admission aborts, sent by the stepper
-        self.wake = trio.Event()
-        self.fatal: str | None = None
-        self.steps = 0
         #: input messages dropped as undecodable (TokenSpeed logs and goes on)
         self.dropped = 0
+
+    def _schedulable(self) -> bool:
+        return bool(self.core.running)
 
     async def reader(self) -> None:
         adds = 0
@@ -352,12 +373,12 @@ class _TokenSpeedMockEngine(_EngineLoop):
         while True:
             frames = await self.socks.input.recv_multipart()
             try:
-                kind, body = ts_engine.decode_input(frames)
+                _, body = ts_engine.decode_input(frames)
             except Exception as exc:  # the real receiver logs and drops the message
                 self.dropped += 1
                 print(f"mock tokenspeed {self.cfg.engine_index}: dropped input: {exc}", file=sys.stderr)
                 continue
-            if kind is ts.RequestType.ABORT:
+            if isinstance(body, tuple):  # an ABORT: its request ids
                 self.core.abort(body)
                 continue
             adds += 1
@@ -461,18 +482,19 @@ async def serve_mock_engine(
     Raises:
         InvalidAddressError: a malformed handshake address.
     """
-    engine = await start_mock_engine(cfg, in_process=in_process, monitor_input=True)
+    engine: _EngineLoop = await start_mock_engine(cfg, in_process=in_process, monitor_input=True)
     task_status.started()
     while True:
-        replacement: list = []
+        replacement: list[_EngineLoop] = []
         try:
             async with trio.open_nursery() as nursery:
 
-                async def run_then_stop() -> None:
+                # This iteration's engine, monitor and replacement are passed in, not closed over.
+                async def run_then_stop(engine: _EngineLoop) -> None:
                     await engine.run()  # returns only when an in-process engine "exited"
                     nursery.cancel_scope.cancel()
 
-                nursery.start_soon(run_then_stop)
+                nursery.start_soon(run_then_stop, engine)
                 monitor = engine.socks.input_monitor
                 assert monitor is not None
                 while True:
@@ -481,17 +503,17 @@ async def serve_mock_engine(
                               "or for a new client's handshake", cfg.engine_index)
                     async with trio.open_nursery() as race:
 
-                        async def back() -> None:
+                        async def back(monitor: TrioSocket) -> None:
                             await _client_back(monitor)
                             race.cancel_scope.cancel()
 
-                        async def next_client() -> None:
+                        async def next_client(replacement: list[_EngineLoop]) -> None:
                             replacement.append(
                                 await start_mock_engine(cfg, in_process=in_process, monitor_input=True))
                             race.cancel_scope.cancel()
 
-                        race.start_soon(back)
-                        race.start_soon(next_client)
+                        race.start_soon(back, monitor)
+                        race.start_soon(next_client, replacement)
                     if replacement:
                         nursery.cancel_scope.cancel()
                         break
