@@ -778,7 +778,12 @@ async def connect_engines(
     async def handshake_side(nursery: trio.Nursery, hs: TrioSocket, base: int, address: str) -> None:
         """The handshake ROUTER of one address: its engines' HELLO and READY."""
         while True:
-            frames = await hs.recv_multipart()
+            try:
+                frames = await hs.recv_multipart()
+            except trio.ClosedResourceError:
+                if client._closed:
+                    return  # closed first when the client closes (below)
+                raise
             identity = frames[0] if frames else b""
             rank = int.from_bytes(identity, "little")
             if rank >= ADDRESS_INDEX_STRIDE:
@@ -886,6 +891,13 @@ async def connect_engines(
                     yield client
                 finally:
                     client._closed = True
+                    # The handshake sockets close before any engine's data sockets: an
+                    # engine that sees its input connection close may dial the handshake
+                    # address again at once (the mock engine serving clients in turn, a
+                    # restarted rank), and its HELLO must wait for the next client, not be
+                    # read by this closing one.
+                    for hs in sockets:
+                        hs.close()
                     for m in client._members.values():
                         conn = m.connection
                         protocol = conn._protocol

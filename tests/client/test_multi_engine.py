@@ -29,6 +29,7 @@ from zmqdispatch.multi import ADDRESS_INDEX_STRIDE, MultiEngineClient, connect_e
 from zmqdispatch.protocol.engines import EngineState
 from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.testing import dial, ready_response
+from zmqdispatch.testing.processes import external_mock
 from zmqdispatch.wire import vllm as wire
 from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
 
@@ -525,3 +526,18 @@ async def _capped_handshakes(tmp_path, caplog, refused: trio.Event) -> None:
             await client.wait_for_engines(2)
             rid_rank = held[0].engine_index
             assert len(await run_one(client, "back", max_tokens=3, data_parallel_rank=rid_rank)) == 3
+
+
+async def test_ranks_serving_clients_in_turn_reach_the_next_client(tmp_path):
+    """A mock rank dials the handshake address again as soon as its client's
+    input connection closes; the closing client must not read that HELLO (its
+    handshake sockets close before the engines' data sockets), so the next
+    client gets every rank, the one that served a request included."""
+    address = f"ipc://{tmp_path}/hs.sock"
+    with trio.fail_after(GUARD):
+        async with external_mock(address, "--data-parallel-size", "2", "--step-interval-ms", "0"):
+            for turn in range(4):
+                async with connect_engines(address, data_parallel_size=2,
+                                           config=ClientConfig(handshake_timeout=10)) as client:
+                    assert len(await run_one(client, f"turn-{turn}", data_parallel_rank=0)) == 4
+                    assert len(await run_one(client, f"turn-{turn}-b", data_parallel_rank=1)) == 4
