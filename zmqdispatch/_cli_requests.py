@@ -14,7 +14,10 @@ stdout, ``{"request_id": ID, "response": <proto-JSON GenerateResponse>}``
 - the requests then run concurrently through one client (:func:`run_requests`);
   their output lines interleave as the responses arrive, each line one whole
   object, flushed; a request that fails prints one stderr line naming its
-  ``request_id`` and the others go on (exit 3 when any failed).
+  ``request_id`` and the others go on: exit 2 when any was rejected before it
+  was sent (``RequestRejected``, known only once the engines are: a prompt past
+  their ``max_model_len``, a ``data_parallel_rank`` naming no engine), else 3
+  when any failed.
 """
 
 from __future__ import annotations
@@ -178,8 +181,11 @@ async def run_requests(
     max_concurrency: int | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
-) -> int:
-    """Run *requests* concurrently through *client*; return how many failed.
+) -> tuple[int, int]:
+    """Run *requests* concurrently through *client*; return ``(failed,
+    rejected)``: how many failed, and how many of those were refused before
+    anything was sent (``RequestRejected``: a prompt past ``max_model_len``, a
+    ``data_parallel_rank`` that names no engine).
 
     Each request is translated against the engine (``translate(request,
     client.max_model_len, client.engine_index)``, the runtime's
@@ -204,10 +210,11 @@ async def run_requests(
     stderr = sys.stderr if err is None else err
     limiter = trio.CapacityLimiter(math.inf if max_concurrency is None else max_concurrency)
     failed = 0
+    rejected = 0
     broken_pipe = False
 
     async def one(item: RequestLine, cancel: trio.CancelScope) -> None:
-        nonlocal failed, broken_pipe
+        nonlocal failed, rejected, broken_pipe
         rid = item.request_id
         try:
             async with limiter:
@@ -223,7 +230,9 @@ async def run_requests(
                             stream.abort_sample(index)
         except ZmqDispatchError as exc:
             failed += 1
-            stderr.write(f"zmqdispatch: error: request_id {json.dumps(rid)} failed: "
+            refused = isinstance(exc, RequestRejected)  # raised before the request was sent
+            rejected += refused
+            stderr.write(f"zmqdispatch: error: request_id {json.dumps(rid)} {'rejected' if refused else 'failed'}: "
                          f"{type(exc).__name__}: {one_line(str(exc))}\n")
             stderr.flush()
         except BrokenPipeError:
@@ -235,4 +244,4 @@ async def run_requests(
             nursery.start_soon(one, item, nursery.cancel_scope)
     if broken_pipe:
         raise BrokenPipeError("stdout was closed")
-    return failed
+    return failed, rejected

@@ -616,10 +616,13 @@ async def _dispatch_requests(args: argparse.Namespace, requests: object) -> int:
     if not requests:
         return EXIT_OK  # nothing to run: no engine is started or waited for
     async with _connect(args) as client:
-        failed = await _cli_requests.run_requests(
+        failed, rejected = await _cli_requests.run_requests(
             client, requests, lambda req, max_model_len, engine_index: _translate(args, req, max_model_len,
                                                                                   engine_index),
             deadlines=_deadlines(args), max_concurrency=args.max_concurrency)
+    if rejected:
+        return _fail(EXIT_REJECTED, f"{failed} of {len(requests)} requests failed, {rejected} of them "
+                                    "rejected before they were sent")
     if failed:
         return _fail(EXIT_ENGINE, f"{failed} of {len(requests)} requests failed")
     return EXIT_OK

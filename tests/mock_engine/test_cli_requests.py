@@ -88,17 +88,18 @@ def test_stdin_and_no_stream():
     assert [list(r) for r in out["x"]] == [["complete"]] and len(out["y"][0]["complete"]["output_ids"]) == 2
 
 
-def test_a_prompt_past_max_model_len_fails_alone_exit_3_naming_it():
+def test_a_prompt_past_max_model_len_is_rejected_alone_exit_2_naming_it():
     p = run_cli("generate", "--requests", "-", "--mock-max-model-len", "10",
                 stdin=jsonl(req("ok-1"), req("too long", list(range(1, 11))), req("ok-2")))
-    assert p.returncode == 3
+    assert p.returncode == 2  # rejected before it was sent, as through --request
     out = by_request(p.stdout)
     assert sorted(out) == ["ok-1", "ok-2"]
     check_streamed(out["ok-1"], 4)
-    failures = [line for line in p.stderr.splitlines() if "failed:" in line]
-    assert failures == ['zmqdispatch: error: request_id "too long" failed: ContextLengthError: prompt_token_ids: '
+    failures = [line for line in p.stderr.splitlines() if "rejected:" in line]
+    assert failures == ['zmqdispatch: error: request_id "too long" rejected: ContextLengthError: prompt_token_ids: '
                         'prompt of 10 tokens does not fit max_model_len=10 (at least one token must be generated)']
-    assert p.stderr.splitlines()[-1] == "zmqdispatch: error: 1 of 3 requests failed"
+    assert p.stderr.splitlines()[-1] == ("zmqdispatch: error: 1 of 3 requests failed, 1 of them rejected before "
+                                         "they were sent")
     assert "Traceback" not in p.stderr
 
 
@@ -230,3 +231,13 @@ def test_blank_lines_are_skipped_and_line_numbers_count_them(layout):
     assert rejected == []
     assert [(a.line, a.request_id) for a in accepted] == expected
     assert all(len(a.engine_ids) == max(1, a.request.sampling_params.n) for a in accepted)
+
+
+def test_a_pin_to_a_rank_that_is_not_there_is_rejected_exit_2():
+    pinned = {**req("pinned"), "data_parallel_rank": 5}
+    p = run_cli("generate", "--requests", "-", "--data-parallel-size", "2", stdin=jsonl(req("ok"), pinned))
+    assert p.returncode == 2, p.stderr
+    assert sorted(by_request(p.stdout)) == ["ok"]
+    assert [line for line in p.stderr.splitlines() if "rejected:" in line] == [
+        'zmqdispatch: error: request_id "pinned" rejected: RequestRejected: data_parallel_rank 5 is not an engine '
+        'of this client; valid ranks: 0-1']
