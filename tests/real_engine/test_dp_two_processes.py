@@ -88,7 +88,7 @@ def test_sigkill_one_rank_mid_stream_then_restart_rejoins(ranks: TwoRanks, refer
     async def kill_mid_stream(client: MultiEngineClient):
         outcome: dict[str, object] = {}
         where: dict[str, int | None] = {}
-        streaming = {0: trio.Event(), 1: trio.Event()}
+        streaming = {f"k{i}": trio.Event() for i in range(4)}  # each request had a token
         killed = trio.Event()
         mid_loads: list = []
 
@@ -102,7 +102,7 @@ def test_sigkill_one_rank_mid_stream_then_restart_rejoins(ranks: TwoRanks, refer
                     where[rid] = client.engine_of(rid)
                     async for d in s:
                         tokens += d.token_ids
-                        streaming[rank].set()
+                        streaming[rid].set()
                         if rank == 0 and len(tokens) >= 20 and not mid_loads:
                             mid_loads.append(client.loads()[0])
                         if killed.is_set() and tokens_at_kill is None:
@@ -116,8 +116,8 @@ def test_sigkill_one_rank_mid_stream_then_restart_rejoins(ranks: TwoRanks, refer
             async with trio.open_nursery() as nursery:
                 for i, rank in enumerate((0, 1, 0, 1)):
                     nursery.start_soon(one, f"k{i}", rank)
-                await streaming[0].wait()
-                await streaming[1].wait()
+                for started in streaming.values():  # every request is mid-stream at the kill
+                    await started.wait()
                 await trio.to_thread.run_sync(ranks.procs[1].kill_group)
                 killed.set()
             # the survivor serves new requests, unpinned ones go there
