@@ -300,7 +300,7 @@ def test_real_engine_comparison_structure_at_a_tiny_size(tmp_path) -> None:
             assert "error" not in run, run
             assert run["tokens"] == 2 * 16 and run["streams"] == 2
             assert _is_number(run["tokens_per_s"]) and _is_number(run["ttft_ms"]["p50"])
-            assert 0 < run["separate_delta_fraction"] <= 1 and run["deliveries_per_stream"]["max"] <= 16
+            assert 0 <= run["separate_delta_fraction"] <= 1 and run["deliveries_per_stream"]["max"] <= 16
             assert run["same_session_as_engine"] is (topology == "launched"), run.get("processes")
             if client == "zmqdispatch":
                 assert run["ttft_engine_ms"]["p50"] <= run["ttft_ms"]["p50"]
