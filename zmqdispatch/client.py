@@ -519,6 +519,21 @@ class EngineConnection:
                 p.abort_mailbox(mailbox, exc)
             await trio.lowlevel.checkpoint()
 
+    def close_client(self) -> int:
+        """The client is closing: stop the link, fail every live request of this
+        engine with ``EngineDeadError(reason="closed")`` (streams still held by
+        other tasks would otherwise keep decoding, docs/known-failures.md K7),
+        hand their ABORT to the socket without waiting, and mark the engine
+        dead. Returns how many requests were live. Never blocks."""
+        p = self._protocol
+        self._link.close()
+        live = p.live_request_ids()
+        closed = EngineDeadError("the engine client is closed", engine_index=p.engine_index, reason="closed")
+        p.abort(live, error=closed)
+        self._flush_aborts_nowait()
+        p.engine_died(closed)
+        return len(live)
+
     def _flush_aborts_nowait(self) -> None:
         """At shutdown: hand the pending ABORT frame to the socket without
         waiting (the input socket then lingers briefly to deliver it). Queued
@@ -1378,17 +1393,10 @@ async def connect(
                 try:
                     yield client
                 finally:
-                    link.close()
-                    if protocol.state is LinkState.READY:
-                        _log.info("closing the client of engine %d (%d live requests aborted)", engine_index,
-                                  protocol.inflight)
-                    # Streams still open (held by other tasks) would otherwise
-                    # keep decoding on an engine we did not start
-                    # (docs/known-failures.md K7).
-                    closed = EngineDeadError("the engine client is closed", engine_index=engine_index, reason="closed")
-                    protocol.abort(protocol.live_request_ids(), error=closed)
-                    connection._flush_aborts_nowait()
-                    protocol.engine_died(closed)
+                    was_ready = protocol.state is LinkState.READY
+                    aborted = connection.close_client()
+                    if was_ready:
+                        _log.info("closing the client of engine %d (%d live requests aborted)", engine_index, aborted)
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
             raise _unwrap(eg) from None

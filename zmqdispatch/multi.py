@@ -899,15 +899,7 @@ async def connect_engines(
                     for hs in sockets:
                         hs.close()
                     for m in client._members.values():
-                        conn = m.connection
-                        protocol = conn._protocol
-                        conn._link.close()
-                        if protocol.state is LinkState.READY:
-                            closed = EngineDeadError("the engine client is closed", engine_index=protocol.engine_index,
-                                                     reason="closed")
-                            protocol.abort(protocol.live_request_ids(), error=closed)
-                            conn._flush_aborts_nowait()
-                            protocol.engine_died(closed)
+                        m.connection.close_client()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
             raise _unwrap(eg) from None
