@@ -106,15 +106,31 @@ def test_tokenspeed_batches_feed_the_same_statistics():
     assert dict(p.stats.finishes) == {"length": 1}
 
 
+def test_an_aborted_request_leaves_the_first_token_map_at_once():
+    clock = Clock()
+    p = EngineProtocol(timer=clock)
+    for i in range(500):
+        p.submit(make_request(f"r{i}"))
+        if i % 2:
+            drain(p)  # sent: the abort goes out as an ABORT
+        p.abort([f"r{i}"])  # never a row
+        # the map holds no retired mailbox (with its frames and error) past its abort
+        assert p.stats.awaiting_first_token == 0
+    assert p.stats.aborts == 500 and p.stats.requests == 500
+
+
 def test_requests_that_end_without_a_token_leave_the_first_token_map():
     clock = Clock()
     p = EngineProtocol(timer=clock)
     for i in range(500):
         p.submit(make_request(f"r{i}"))
-        p.abort([f"r{i}"])  # aborted while queued: never a row
-    # swept on submit: bounded by the live requests, not by history
-    assert p.stats.awaiting_first_token <= 2 * p.inflight + 64 + 1
-    assert p.stats.aborts == 500 and p.stats.requests == 500
+        drain(p)
+        # the engine finishes it without a row of its own (an id in finished_requests)
+        p.frames_received(outputs_frames([], finished_requests=[f"r{i}"]), now=clock.now)
+    # swept lazily (on submit and routing): bounded by the live requests, not by history
+    assert p.inflight == 0
+    assert p.stats.awaiting_first_token <= 64 + 1
+    assert p.stats.requests == 500
 
 
 def test_counters_for_slow_consumers_renames_decode_errors_and_deaths(caplog):

@@ -449,7 +449,7 @@ class EngineProtocol:
             mb.fail(
                 error if error is not None else RequestStreamClosed(f"request {rid!r} was aborted", request_id=rid)
             )
-            self.stats.aborts += 1
+            self.stats.aborted(mb.wire_id)
             if _log.isEnabledFor(_DEBUG):
                 _log.debug("request %r: aborted%s", rid, "" if error is None else f" ({error})")
             if mb.add.state is SendState.QUEUED:

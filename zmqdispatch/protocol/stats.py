@@ -129,6 +129,13 @@ class LinkStats:
             self._awaiting = awaiting = {w: e for w, e in awaiting.items() if not e[0].finished}
         awaiting[wire_id] = (mailbox, now)
 
+    def aborted(self, wire_id: str) -> None:
+        """The client aborted *wire_id*'s request before its end; it is no
+        longer awaited (a request aborted before its first token would
+        otherwise keep its mailbox until the next lazy sweep)."""
+        self.aborts += 1
+        self._awaiting.pop(wire_id, None)
+
     def routed(self, outputs: Sequence[Any], rows: int, now: float) -> None:
         """One output message with *rows* routed rows was received at *now*.
 
