@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["TINY_LLAMA_CONFIG", "default_model_dir", "write_tiny_model"]
+__all__ = ["TINY_LLAMA_CONFIG", "TINY_MOE_CONFIG", "default_model_dir", "write_tiny_model"]
 
 #: config.json of the tiny model (Hugging Face ``LlamaConfig`` keys).
 TINY_LLAMA_CONFIG: dict = {
@@ -65,26 +65,41 @@ TINY_LLAMA_CONFIG: dict = {
 }
 
 
+#: config.json of a tiny Mixtral-shaped mixture-of-experts model: the Llama
+#: above with 4 experts per layer, 2 routed per token. vLLM serves an MoE model
+#: with data parallelism as lock-step ranks (each rank reports the DP size in
+#: its ready response); the real-engine tests use it to check that such ranks
+#: are refused at the handshake (docs/many-engines.md).
+TINY_MOE_CONFIG: dict = {
+    **TINY_LLAMA_CONFIG,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
 def default_model_dir() -> str:
     """``${TMPDIR:-/tmp}/zmqd_tiny_llama``, the folder the scripts use by default."""
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", "zmqd_tiny_llama")
 
 
-def config_text() -> str:
-    """The exact text written to config.json."""
-    return json.dumps(TINY_LLAMA_CONFIG, indent=2, sort_keys=True) + "\n"
+def config_text(*, moe: bool = False) -> str:
+    """The exact text written to config.json (the MoE model's with ``moe``)."""
+    return json.dumps(TINY_MOE_CONFIG if moe else TINY_LLAMA_CONFIG, indent=2, sort_keys=True) + "\n"
 
 
-def write_tiny_model(model_dir: str | os.PathLike | None = None, *, force: bool = False) -> str:
+def write_tiny_model(model_dir: str | os.PathLike | None = None, *, force: bool = False, moe: bool = False) -> str:
     """Create ``<model_dir>/config.json`` if it is missing; return the folder's absolute path.
 
     No weights are written: start vLLM with ``load_format="dummy"``.
-    With ``force=True`` an existing config.json is replaced by ours.
+    With ``force=True`` an existing config.json is replaced by ours; with
+    ``moe=True`` the config is :data:`TINY_MOE_CONFIG`.
     """
     path = Path(os.path.abspath(model_dir if model_dir is not None else default_model_dir()))
     path.mkdir(parents=True, exist_ok=True)
     target = path / "config.json"
-    text = config_text()
+    text = config_text(moe=moe)
     if target.exists() and (not force or target.read_text() == text):
         return str(path)
     # Atomic: write a temp file in the same folder, then rename over the target.
@@ -111,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder to create (default: ${TMPDIR:-/tmp}/zmqd_tiny_llama)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing config.json that differs from ours")
+    p.add_argument("--moe", action="store_true",
+                   help="the tiny mixture-of-experts (Mixtral-shaped) model instead of the Llama")
     args = p.parse_args(argv)
-    print(write_tiny_model(args.model_dir, force=args.force))
+    print(write_tiny_model(args.model_dir, force=args.force, moe=args.moe))
     return 0
 
 
