@@ -268,12 +268,23 @@ async def test_a_lock_step_rank_is_refused_at_the_handshake(tmp_path):
                         data_parallel_size=2)
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(dial, address, ready, engine_index=0))
+            nursery.start_soon(dial_and_hold, address, ready)
             with pytest.raises(EngineHandshakeError, match="lock-step") as info:
                 async with connect_engines(address, data_parallel_size=1):
                     pass
             assert "wave protocol" in str(info.value)
             nursery.cancel_scope.cancel()
+
+
+async def dial_and_hold(address: str, ready: EngineCoreReadyResponse) -> None:
+    """An engine that dials in and keeps its sockets until cancelled (sockets
+    left to the garbage collector close with linger 0 and can discard the
+    ready response before it left)."""
+    sockets = await dial(address, ready, engine_index=0)
+    try:
+        await trio.sleep_forever()
+    finally:
+        sockets.close()
 
 
 def attr_evolve(ready: EngineCoreReadyResponse, **changes: object) -> EngineCoreReadyResponse:

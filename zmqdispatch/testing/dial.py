@@ -126,6 +126,10 @@ async def dial(
 ) -> EngineSockets:
     """Do the engine half of the handshake and return the data-plane sockets.
 
+    The caller owns them and must close them (:meth:`EngineSockets.close`):
+    sockets left to the garbage collector close with linger 0 and may discard
+    the ready response before it left.
+
     ``send_ready_response`` / ``send_ready`` = False script a handshake that
     never completes (fault injection); without READY the handshake connection
     stays open (in ``EngineSockets.handshake``), as a slow engine's does.
