@@ -35,7 +35,7 @@ ACK = struct.Struct("<IIQ")  # epoch, 0, request-ticks received in all
 #: Cell keys and their defaults (the harness fills every key).
 CELL_DEFAULTS: dict[str, Any] = {
     "name": "cell",
-    "kind": "throughput",  # or "idle_rss"
+    "kind": "throughput",  # or "idle_rss", "burst", "many_sat", "many_balance", "many_death", "many_idle_rss"
     "concurrency": 1,
     "step_interval_ms": 0.0,  # 0: as fast as the credit window allows
     "tokens_per_tick": 1,
@@ -52,6 +52,11 @@ CELL_DEFAULTS: dict[str, Any] = {
     "bursts": 0,
     "burst_max_tokens": 1,
     "burst_gap_s": 0.3,  # between two bursts (the running streams settle)
+    # kinds "many_*" (zmqdispatch's MultiEngineClient, bench/many.py): engines behind one client
+    "engines": 1,
+    "mean_tokens": 32,  # many_balance: max_tokens drawn from 1..2 x mean - 1
+    "submit_interval_ms": 2.0,  # many_death: one new short request (burst_max_tokens) per interval
+    "after_s": 0.5,  # many_death: survivors watched this long after the victim's requests ended
 }
 
 

@@ -28,6 +28,36 @@ Admitting streams under load is not what these cells measure.
                     (zmqdispatch clients only)
 ==================  =========================================================
 
+Many-engine cells (opt-in: ``--cells many4``, or their names; about two
+minutes for 3 rounds). zmqdispatch's ``MultiEngineClient`` only, a task per
+stream (:mod:`.many`); vLLM's client has a data-parallel client of its own,
+not wired up here. Each cell starts its own 4 benchmark engine processes
+dialing one handshake address (``connect_engines(address,
+data_parallel_size=4)``, as the ranks of ``vllm serve --headless
+--data-parallel-size 4`` dial), on the same cores as the client.
+
+====================  =======================================================
+``many4-sat-c1000``   C = 1,000 streams at saturation over 4 engines, then
+                      (or first: alternating by round) over 1 engine, the
+                      same client (``data_parallel_size=1``); request-ticks/s
+                      of each and their ratio; requests and request-ticks per
+                      engine, most / least. Each engine's credit window is
+                      ``max(16 * C / 4, 4096)``
+``many4-balance``     100 workers in a closed loop, each reading a request of
+                      1..63 tokens (mean 32) to its end and entering the
+                      next, engines stepping every 2 ms: requests and tokens
+                      per engine, most / least, failures
+``many4-death``       400 long streams at one step per 5 ms plus a new
+                      4-token request every 2 ms; engine 3 SIGKILLed: ms
+                      from the kill to it leaving placement, to its last
+                      request failing with ``EngineDeadError`` and to its
+                      last placement; requests placed on it after it left
+                      placement, failures on the other engines (both 0)
+``many4-idle-rss``    ``--idle-streams`` streams on 4 holding engines: RSS
+                      growth per stream (as ``idle-rss``) and Python
+                      allocations per stream (``tracemalloc``, a second pass)
+====================  =======================================================
+
 Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
 (:mod:`.run_zmqdispatch`: one task per stream), ``zmqdispatch-group`` (the
 same runner with ``--group``: every stream in one ``StreamGroup``, one reader
@@ -76,6 +106,12 @@ SCHEMA = "zmqdispatch-bench/1"
 CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "vllm")
 #: clients that run the burst cells (the raw loop admits nothing; vLLM's client is not wired up for it)
 BURST_CLIENTS = ("zmqdispatch", "zmqdispatch-group")
+#: clients that run the many-engine cells (vLLM's data-parallel client is not wired up here)
+MANY_CLIENTS = ("zmqdispatch",)
+#: ``--cells`` name that selects every many-engine cell
+MANY_ALIAS = "many4"
+#: ``--cells`` name that selects no cell (``--real-engine`` alone)
+NO_CELLS = "none"
 PACKAGE_DIR = Path(__file__).resolve().parent
 #: The real-vLLM helper scripts (engine launcher, tiny model and tokenizer writers)
 #: are not part of the package: they live in a source checkout, found relative to
@@ -121,6 +157,41 @@ def default_cells(
     for cell in cells:
         cell.setdefault("window", window_for(cell["concurrency"]))
     return [common.cell_settings(c) for c in cells]
+
+
+def many_cells(
+    *,
+    engines: int = 4,
+    seconds: float = 5.0,
+    warmup: float = 1.0,
+    tokens_per_tick: int = 1,
+    prompt_len: int = 16,
+    idle_streams: int = 10000,
+) -> list[dict[str, Any]]:
+    """The many-engine cells (module docstring; opt-in), every key filled in."""
+    base = {"seconds": seconds, "warmup_s": warmup, "tokens_per_tick": tokens_per_tick, "prompt_len": prompt_len,
+            "engines": engines}
+    p = f"many{engines}"
+    cells: list[dict[str, Any]] = [
+        {"name": f"{p}-sat-c1000", "kind": "many_sat", "concurrency": 1000, "step_interval_ms": 0.0, **base},
+        {"name": f"{p}-balance", "kind": "many_balance", "concurrency": 100, "step_interval_ms": 2.0,
+         "mean_tokens": 32, **base},
+        {"name": f"{p}-death", "kind": "many_death", "concurrency": 400, "step_interval_ms": 5.0,
+         "submit_interval_ms": 2.0, "burst_max_tokens": 4, "after_s": 0.5, **base},
+    ]
+    if idle_streams:
+        cells.append({"name": f"{p}-idle-rss", "kind": "many_idle_rss", "concurrency": idle_streams, **base})
+    return [common.cell_settings(c) for c in cells]
+
+
+def runs_cell(cell: dict[str, Any], client: str) -> str | None:
+    """None when *client* runs *cell*, else why it is skipped."""
+    if cell["kind"] == "burst" and client not in BURST_CLIENTS:
+        return "admission under load is measured for zmqdispatch's clients only"
+    if cell["kind"].startswith("many_") and client not in MANY_CLIENTS:
+        return ("many engines: zmqdispatch's MultiEngineClient, a task per stream, only (vLLM's data-parallel "
+                "client is not wired up here)")
+    return None
 
 
 # ---------------------------------------------------------------------- environment
@@ -274,8 +345,18 @@ class BenchSettings:
             paced=not args.no_paced,
         )
         if args.cells:
-            wanted = set(args.cells)
-            self.cells = [c for c in self.cells if c["name"] in wanted]
+            extra = many_cells(seconds=args.seconds, warmup=args.warmup, tokens_per_tick=args.tokens_per_tick,
+                               prompt_len=args.prompt_len, idle_streams=args.idle_streams)
+            known = self.cells + extra
+            wanted = set(args.cells) - {NO_CELLS}
+            if MANY_ALIAS in wanted:
+                wanted = (wanted - {MANY_ALIAS}) | {c["name"] for c in extra}
+            unknown = sorted(wanted - {c["name"] for c in known})
+            if unknown:
+                raise ValueError(f"--cells: no cell named {', '.join(unknown)}; known: "
+                                 f"{', '.join(c['name'] for c in known)}, {MANY_ALIAS} (every many-engine cell), "
+                                 f"{NO_CELLS}")
+            self.cells = [c for c in known if c["name"] in wanted]
         self.vllm_python = args.vllm_python or vllm_python()
         self.real_vllm_scripts = Path(
             args.real_vllm_scripts or os.environ.get(REAL_VLLM_SCRIPTS_ENV) or REAL_VLLM_SCRIPTS_DEFAULT
@@ -338,7 +419,9 @@ def _write_tiny_tokenizer(settings: BenchSettings, model_dir: str) -> None:
 
 
 def _cell_timeout(cell: dict[str, Any]) -> float:
-    return 240.0 + float(cell["seconds"]) + float(cell["warmup_s"])
+    # many_sat measures twice, each on a fresh fleet of engines
+    runs = 2 if cell["kind"] == "many_sat" else 1
+    return 240.0 * runs + runs * (float(cell["seconds"]) + float(cell["warmup_s"]))
 
 
 # ---------------------------------------------------------------------- aggregation
@@ -407,6 +490,8 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             try:
                 progress.describe(f"round {rnd + 1}/{settings.rounds}: starting runners")
                 for client in clients:
+                    if all(runs_cell(cell, client) for cell in settings.cells):
+                        continue  # nothing to run: no runner
                     runners[client] = Runner(client, _runner_argv(client, settings, model_dir),
                                              logs / f"round{rnd + 1}-{client}.log", env=settings.runner_env())
                 for client, runner in runners.items():
@@ -415,12 +500,14 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
                 for cell in settings.cells:
                     for client in clients:
                         progress.describe(f"round {rnd + 1}/{settings.rounds} {cell['name']} {client}")
-                        if cell["kind"] == "burst" and client not in BURST_CLIENTS:
-                            res = {"client": client, "cell": cell["name"],
-                                   "skipped": "admission under load is measured for zmqdispatch's clients only"}
+                        why = runs_cell(cell, client)
+                        if why is not None:
+                            res = {"client": client, "cell": cell["name"], "skipped": why}
                         else:
+                            # The many-engine cells alternate their inner order by round.
+                            sent = {**cell, "round": rnd + 1} if cell["kind"].startswith("many_") else cell
                             try:
-                                res = runners[client].command({"op": "cell", "cell": cell}, _cell_timeout(cell))
+                                res = runners[client].command({"op": "cell", "cell": sent}, _cell_timeout(cell))
                             except RunnerError as exc:
                                 res = {"client": client, "cell": cell["name"], "error": str(exc)}
                         res["round"] = rnd + 1
@@ -506,6 +593,21 @@ def _one_line(cell: dict[str, Any], res: dict[str, Any]) -> str:
         return f"{cell['name']} {client}: skipped ({res['skipped']})"
     if cell["kind"] == "idle_rss":
         return f"{cell['name']} {client}: {res['rss_per_stream_bytes']:,.0f} B/stream"
+    if cell["kind"] == "many_sat":
+        one, many = res["one_engine"], res["many_engines"]
+        return (f"{cell['name']} {client}: {_fmt(many['request_ticks_per_s'], ',.0f')} req-ticks/s on "
+                f"{res['engines']} engines, {_fmt(one['request_ticks_per_s'], ',.0f')} on 1 "
+                f"({_fmt(res['ratio'], '.2f')}x); requests per engine {_per_engine(many['requests_per_engine'])}")
+    if cell["kind"] == "many_balance":
+        return (f"{cell['name']} {client}: requests per engine {_per_engine(res['requests_per_engine'])}, "
+                f"tokens {_per_engine(res['tokens_per_engine'])}, failures {res['failures']}")
+    if cell["kind"] == "many_death":
+        return (f"{cell['name']} {client}: out of placement {_fmt(res['out_of_placement_ms'], '.1f')} ms, last "
+                f"request failed {_fmt(res['last_failed_ms'], '.1f')} ms after the kill; placed on it after: "
+                f"{res['placed_on_victim_after_out']}, survivor failures {res['survivor_failures']}")
+    if cell["kind"] == "many_idle_rss":
+        return (f"{cell['name']} {client}: {res['rss_per_stream_bytes']:,.0f} B/stream RSS, "
+                f"{_fmt(res['python_bytes_per_stream'], ',.0f')} B Python")
     if cell["kind"] == "burst":
         return (f"{cell['name']} {client}: longest wait {_fmt(res['max_wait_ms'], '.1f')} ms, "
                 f"p99 {_fmt(res['latency_ms']['p99'], '.2f')} ms, burst served in {_fmt(res['admit_ms'], '.0f')} ms")
@@ -518,6 +620,74 @@ def _fmt(v: Any, spec: str) -> str:
     if v is None:
         return "-"
     return format(v, spec)
+
+
+def _per_engine(values: Any) -> str:
+    return " / ".join(f"{v:,}" for v in values) if isinstance(values, list) else "-"
+
+
+def _rounds_of(r: dict[str, Any], key: Callable[[dict[str, Any]], Any]) -> str:
+    """One figure of every good round, "; " between rounds."""
+    return "; ".join(_per_engine(key(x)) for x in r["rounds"] if "error" not in x and "skipped" not in x) or "-"
+
+
+def format_many(doc: dict[str, Any]) -> str:
+    """Markdown tables of the many-engine cells ("" when none ran)."""
+    sat = ["| cell | client | engines | request-ticks/s, 1 engine | request-ticks/s, N engines | × 1 engine "
+           "| CPU µs/tick, 1 / N | requests per engine (each round) | request-ticks per engine, most / least |",
+           "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    bal = ["| cell | client | engines | requests/s | requests per engine (each round) | most / least "
+           "| tokens per engine (each round) | most / least | failures |",
+           "|---|---|---:|---:|---|---:|---|---:|---:|"]
+    death = ["| cell | client | engines | requests on the killed engine | out of placement ms "
+             "| its last request failed ms | its last placement ms | placed on it after | failures on the others "
+             "| others' request-ticks after the kill | reason |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    idle = ["| cell | client | engines | idle streams | per engine | RSS per stream | Python allocations per stream |",
+            "|---|---|---:|---:|---|---:|---:|"]
+    for cell in doc["cells"]:
+        kind = cell["kind"]
+        if not kind.startswith("many_"):
+            continue
+        for client, r in cell["results"].items():
+            m = r["median"]
+            head = f"| {cell['name']} | {client} | {cell['engines']} "
+            if "error" in m or "skipped" in m:
+                if "skipped" not in m:  # skipped clients are named in the notes, not in rows
+                    {"many_sat": sat, "many_balance": bal, "many_death": death, "many_idle_rss": idle}[kind].append(
+                        head + f"| {m['error']} |")
+                continue
+            if kind == "many_sat":
+                one, many = m["one_engine"], m["many_engines"]
+                sat.append(head + f"| {_fmt(one['request_ticks_per_s'], ',.0f')} "
+                           f"| {_fmt(many['request_ticks_per_s'], ',.0f')} | {_fmt(m['ratio'], '.2f')} "
+                           f"| {_fmt(one['cpu_us_per_tick'], '.2f')} / {_fmt(many['cpu_us_per_tick'], '.2f')} "
+                           f"| {_rounds_of(r, lambda x: x['many_engines']['requests_per_engine'])} "
+                           f"| {_fmt(many['ticks_most_over_least'], '.2f')} |")
+            elif kind == "many_balance":
+                bal.append(head + f"| {_fmt(m['requests_per_s'], ',.0f')} "
+                           f"| {_rounds_of(r, lambda x: x['requests_per_engine'])} "
+                           f"| {_fmt(m['requests_most_over_least'], '.2f')} "
+                           f"| {_rounds_of(r, lambda x: x['tokens_per_engine'])} "
+                           f"| {_fmt(m['tokens_most_over_least'], '.2f')} | {m['failures']} |")
+            elif kind == "many_death":
+                death.append(head + f"| {m['victim_requests']:.0f} | {_fmt(m['out_of_placement_ms'], '.1f')} "
+                             f"| {_fmt(m['last_failed_ms'], '.1f')} | {_fmt(m['last_placed_ms'], '.1f')} "
+                             f"| {m['placed_on_victim_after_out']} | {m['survivor_failures']} "
+                             f"| {m['survivor_ticks_after_kill']:,.0f} | {m['death_reason']} |")
+            else:
+                idle.append(head + f"| {cell['concurrency']:,} "
+                            f"| {_rounds_of(r, lambda x: x['streams_per_engine'])} "
+                            f"| {m['rss_per_stream_bytes'] / 1024:.2f} KiB "
+                            f"| {_fmt(m['python_bytes_per_stream'], ',.0f')} B |")
+    tables = [t for t in (sat, bal, death, idle) if len(t) > 2]
+    if not tables:
+        return ""
+    return ("Many engines: zmqdispatch's `MultiEngineClient` (a task per stream) over N benchmark engine processes "
+            "dialing one handshake address, on the same cores as the client; vLLM's data-parallel client is not "
+            "wired up here. Medians over rounds; per-engine lists: each round's. Death: ms from the SIGKILL "
+            "(the runner's clock); \"placed on it after\": requests placed on the killed engine after it left "
+            "placement.\n\n" + "\n\n".join("\n".join(t) for t in tables))
 
 
 def format_tables(doc: dict[str, Any]) -> str:
@@ -535,6 +705,8 @@ def format_tables(doc: dict[str, Any]) -> str:
     ]
     for cell in doc["cells"]:
         results = cell["results"]
+        if cell["kind"].startswith("many_"):
+            continue  # format_many
         if cell["kind"] == "burst":
             for client, r in results.items():
                 m = r["median"]
@@ -573,11 +745,12 @@ def format_tables(doc: dict[str, Any]) -> str:
                 f"| {_fmt(lat['p999'], '.2f')} | {_fmt(m['cpu_us_per_tick'], '.2f')} | {_fmt(ratio, '.2f')} "
                 f"| {_fmt(m['engine']['max_request_ticks_per_s'], ',.0f')} |"
             )
+    throughput_rows = len(lines) > 2
     lines.append("")
     lines.append("Latency: engine send (`EngineCoreOutputs.timestamp`) to consumer receipt, paced cells only "
                  "(slow mix: the consumers that keep up). CPU: the client process, all threads. "
                  "× vLLM: request-ticks/s over vLLM's.")
-    out = "\n".join(lines)
+    out = "\n".join(lines) if throughput_rows or not doc["cells"] else ""
     if len(burst_lines) > 2:
         out += ("\n\nAdmission under load: while the running streams get one tick per step, `burst` requests "
                 "enter at once; the running streams' wait for a tick (engine send to consumer receipt) while "
@@ -586,10 +759,13 @@ def format_tables(doc: dict[str, Any]) -> str:
                 "burst holds every stream back on an idle machine).\n\n" + "\n".join(burst_lines))
     if len(rss_lines) > 2:
         out += "\n\n" + "\n".join(rss_lines)
+    many = format_many(doc)
+    if many:
+        out += "\n\n" + many
     real = doc.get("real_engine")
     if real:
         out += "\n\n" + real_mod.format_real(real)
-    return out
+    return out.lstrip("\n")
 
 
 class _Progress:
@@ -680,7 +856,12 @@ def main(args: argparse.Namespace) -> int:
     # SIGTERM stops like Ctrl-C: the runners (and their engines) are closed.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        doc = run(BenchSettings(args))
+        settings = BenchSettings(args)
+    except ValueError as exc:
+        print(f"zmqdispatch bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        doc = run(settings)
     except KeyboardInterrupt:
         print("zmqdispatch bench: interrupted", file=sys.stderr)
         return 130

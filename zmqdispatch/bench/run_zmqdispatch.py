@@ -39,6 +39,7 @@ import zmq
 from .. import ClientConfig, EngineClient, connect
 from ..wire import vllm as wire
 from . import _common as common
+from . import many
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = True) -> wire.EngineCoreRequest:
@@ -170,6 +171,10 @@ class Runner:
             pass
 
     async def cell(self, cell: dict[str, Any]) -> dict[str, Any]:
+        if cell["kind"] in many.KINDS:
+            if self.group:
+                return {"client": self.name, "cell": cell["name"], "skipped": "a task per stream only"}
+            return await many.run_cell(cell, client_name=self.name)
         if cell["kind"] == "idle_rss":
             return await self.idle_rss(cell)
         if cell["kind"] == "burst":
