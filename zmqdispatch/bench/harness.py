@@ -634,8 +634,9 @@ def _rounds_of(r: dict[str, Any], key: Callable[[dict[str, Any]], Any]) -> str:
 def format_many(doc: dict[str, Any]) -> str:
     """Markdown tables of the many-engine cells ("" when none ran)."""
     sat = ["| cell | client | engines | request-ticks/s, 1 engine | request-ticks/s, N engines | × 1 engine "
-           "| CPU µs/tick, 1 / N | requests per engine (each round) | request-ticks per engine, most / least |",
-           "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+           "| CPU µs/tick, 1 / N | client fds, 1 / N | requests per engine (each round) "
+           "| request-ticks per engine, most / least |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     bal = ["| cell | client | engines | requests/s | requests per engine (each round) | most / least "
            "| tokens per engine (each round) | most / least | failures |",
            "|---|---|---:|---:|---|---:|---|---:|---:|"]
@@ -662,6 +663,7 @@ def format_many(doc: dict[str, Any]) -> str:
                 sat.append(head + f"| {_fmt(one['request_ticks_per_s'], ',.0f')} "
                            f"| {_fmt(many['request_ticks_per_s'], ',.0f')} | {_fmt(m['ratio'], '.2f')} "
                            f"| {_fmt(one['cpu_us_per_tick'], '.2f')} / {_fmt(many['cpu_us_per_tick'], '.2f')} "
+                           f"| {one['client_fds']:.0f} / {many['client_fds']:.0f} "
                            f"| {_rounds_of(r, lambda x: x['many_engines']['requests_per_engine'])} "
                            f"| {_fmt(many['ticks_most_over_least'], '.2f')} |")
             elif kind == "many_balance":
@@ -853,13 +855,13 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of ``zmqdispatch bench``."""
     import signal
 
-    # SIGTERM stops like Ctrl-C: the runners (and their engines) are closed.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         settings = BenchSettings(args)
     except ValueError as exc:
         print(f"zmqdispatch bench: {exc}", file=sys.stderr)
         return 2
+    # SIGTERM stops like Ctrl-C: the runners (and their engines) are closed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         doc = run(settings)
     except KeyboardInterrupt:

@@ -74,13 +74,15 @@ class Fleet:
 
     Attributes:
         client: the client.
+        client_fds: file descriptors the client opened in this process (``connect_engines``).
         procs: the engine processes, by ``engine_index``.
         controls / ackers: each engine's control channel and credit channel, by ``engine_index``.
     """
 
     def __init__(self, client: MultiEngineClient, procs: list[trio.Process], controls: list[common.Control],
-                 ackers: list[common.Acker]) -> None:
+                 ackers: list[common.Acker], client_fds: int) -> None:
         self.client = client
+        self.client_fds = client_fds
         self.procs = procs
         self.controls = controls
         self.ackers = ackers
@@ -133,10 +135,12 @@ async def open_fleet(engines: int, *, engine_args: Sequence[str] = ()) -> AsyncI
             procs.append(await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL))
             controls.append(common.Control(ctx, ctl))
         config = ClientConfig(handshake_timeout=60, silence_timeout=math.inf)
+        fds = _fds()
         async with connect_engines(address, data_parallel_size=engines, config=config) as client:
+            fds = _fds() - fds
             # Each engine made its ack FIFO before it dialed: every one exists now.
             ackers.extend(common.Acker(c) for c in (tmp.ipc(f"e{i}/control.sock") for i in range(engines)))
-            yield Fleet(client, procs, controls, ackers)
+            yield Fleet(client, procs, controls, ackers, fds)
     finally:
         with trio.CancelScope(shield=True):
             await _stop(procs, controls)
@@ -146,6 +150,10 @@ async def open_fleet(engines: int, *, engine_args: Sequence[str] = ()) -> AsyncI
             c.close()
         ctx.term()
         tmp.cleanup()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 async def _stop(procs: list[trio.Process], controls: list[common.Control]) -> None:
@@ -262,7 +270,7 @@ async def _saturate(fleet: Fleet, cell: dict[str, Any], tag: str) -> dict[str, A
     await fleet.each(lambda ctl: ctl.wait_idle())
     result = common.throughput_result("zmqdispatch", cell, tally, wall=t1 - t0, cpu=cpu1 - cpu0,
                                       engine=_fleet_stats(stats))
-    result.update(engines=n, window_per_engine=window, requests_per_engine=requests,
+    result.update(engines=n, client_fds=fleet.client_fds, window_per_engine=window, requests_per_engine=requests,
                   ticks_per_engine=ticks_by_engine, requests_most_over_least=_spread(requests),
                   ticks_most_over_least=_spread(ticks_by_engine))
     return result
@@ -275,7 +283,8 @@ async def many_sat(cell: dict[str, Any], client_name: str) -> dict[str, Any]:
     each on a fresh fleet; the order alternates with ``cell["round"]``.
 
     Figures: ``one_engine`` and ``many_engines`` (the throughput figures of a
-    ``sat-c*`` cell, plus requests and request-ticks per engine), and
+    ``sat-c*`` cell, plus requests and request-ticks per engine and
+    ``client_fds``, the file descriptors ``connect_engines`` opened), and
     ``ratio`` (many / one, request-ticks/s). Each engine's credit window is
     :func:`window_per_engine`.
     """
