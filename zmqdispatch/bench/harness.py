@@ -818,7 +818,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 100, 1000, 10000],
                    help="saturation cells: concurrent streams")
     p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS), help="which clients to run")
-    p.add_argument("--cells", nargs="+", metavar="NAME", help="run only these cells (e.g. sat-c1000 paced-c100-5ms)")
+    p.add_argument("--cells", nargs="+", metavar="NAME",
+                   help="run only these cells (e.g. sat-c1000 paced-c100-5ms); also the opt-in many-engine cells "
+                        f"(many4-sat-c1000 many4-balance many4-death many4-idle-rss, or {MANY_ALIAS} for all of "
+                        f"them); {NO_CELLS}: no cell (with --real-engine)")
     p.add_argument("--no-paced", action="store_true", help="no paced / slow-consumer cells")
     p.add_argument("--idle-streams", type=int, default=10000, help="streams of the idle-RSS cell (0: none)")
     p.add_argument("--tokens-per-tick", type=int, default=1, help="tokens per request per engine step")
