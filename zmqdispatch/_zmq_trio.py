@@ -47,6 +47,7 @@ __all__ = [
     "SendTimeout",
     "TrioSocket",
     "ZmqContext",
+    "HANDSHAKE_FAILED_EVENTS",
     "parse_monitor_event",
 ]
 
@@ -359,6 +360,13 @@ class TrioSocket:
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
         return self._closed
+
+
+#: Every monitor event of a connection that failed its ZMTP handshake (libzmq
+#: emits one right before that connection's ``EVENT_DISCONNECTED``).
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def parse_monitor_event(frames: list[bytes]) -> tuple[int, int, str]:

@@ -52,7 +52,8 @@ from . import __version__
 from .addresses import check_address
 from . import _cli_logging
 from . import _cli_requests
-from .client import ClientConfig, EngineClient, _unwrap, connect
+from ._engine_lifecycle import unwrap
+from .client import ClientConfig, EngineClient, connect
 from .errors import (
     AddressBindError,
     EngineError,
@@ -566,7 +567,7 @@ async def _generate(args: argparse.Namespace, req: object,
                 code = await (dispatch or _dispatch)(args, req)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
-            raise _unwrap(eg) from None  # the typed error main() reports, not a group
+            raise unwrap(eg) from None  # the typed error main() reports, not a group
     if terminated:
         raise _Terminated
     return code

@@ -43,12 +43,7 @@ import functools
 import gc
 import logging
 import math
-import os
-import shlex
 import shutil
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from time import perf_counter
@@ -59,12 +54,20 @@ import trio
 import zmq
 
 from . import _ipc, limits
-from ._zmq_trio import PeerUnreachable, SendTimeout, TrioSocket, ZmqContext, parse_monitor_event
+from ._engine_lifecycle import check_version, format_launch, terminate, unwrap
+from ._engine_lifecycle import launch as launch_engine
+from ._zmq_trio import (
+    HANDSHAKE_FAILED_EVENTS,
+    PeerUnreachable,
+    SendTimeout,
+    TrioSocket,
+    ZmqContext,
+    parse_monitor_event,
+)
 from .addresses import check_address
 from .errors import (
     AddressBindError,
     EngineDeadError,
-    EngineHandshakeError,
     EngineHandshakeTimeout,
     UtilityCallTimeout,
 )
@@ -76,8 +79,8 @@ from .protocol.handshake import Handshake
 from .protocol.link import EngineLink, LinkAction, LinkDecision
 from .protocol.mailbox import Mailbox
 from .protocol.runtime import Runtime
-from .protocol.versions import EngineVersion, check_engine_version
-from .streams import EngineRequest, RequestStream, SampleStream, StreamGroup, open_samples
+from .protocol.versions import EngineVersion
+from .streams import EngineRequest, RequestStream, SampleStream, StreamGroup, StreamHost, open_samples
 from .wire import vllm_handshake as wire  # the handshake: the only wire client.py speaks itself
 
 __all__ = ["ClientConfig", "EngineClient", "EngineSession", "LoRARequest", "connect"]
@@ -210,11 +213,12 @@ class _StreamHost:
     """The client's side of :class:`zmqdispatch.streams.StreamHost`: what the
     streams (``streams.py``) may do to the engine link, and nothing else."""
 
-    __slots__ = ("_client", "_protocol", "runtime")
+    __slots__ = ("_client", "_connection", "_protocol", "runtime")
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, connection: EngineConnection) -> None:
         self._client = client
-        self._protocol = client._protocol
+        self._connection = connection
+        self._protocol = connection.protocol
         self.runtime: Runtime = client.runtime
 
     def validate(self, request: EngineRequest, deadlines: Deadlines | None) -> Deadlines | None:
@@ -230,7 +234,7 @@ class _StreamHost:
         return self._protocol.is_live(request_id)
 
     def open(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
-        return self._client._queue_request(request, deadlines)
+        return self._connection.queue_request(request, deadlines)
 
     def abort(self, mailbox: Mailbox) -> None:
         self._protocol.abort_mailbox(mailbox)
@@ -249,6 +253,13 @@ class EngineConnection:
 
     Every task here owns one socket or one timer, feeds the link its events
     with ``trio.current_time()`` and acts on its decisions (:meth:`_act`).
+
+    What the shells (:func:`connect`, :func:`zmqdispatch.multi.connect_engines`)
+    and :class:`EngineClient` use, and nothing else: :attr:`protocol`,
+    :attr:`process`, :attr:`ending`, :meth:`start`, :meth:`queue_request`,
+    :meth:`wait_dead`, :meth:`process_exited`, :meth:`close_link`,
+    :meth:`close_client`, :attr:`on_ending`, and the link's counters
+    :attr:`output_links` / :attr:`stray_output_connections`.
     """
 
     def __init__(
@@ -295,6 +306,69 @@ class EngineConnection:
             self._sync_pump()
 
         protocol.on_death = on_death
+
+    @property
+    def protocol(self) -> EngineProtocol:
+        """The engine's sans-IO state (requests, routing, death)."""
+        return self._protocol
+
+    @property
+    def process(self) -> trio.Process | None:
+        """The engine process this connection watches (one :func:`connect`
+        launched), or None."""
+        return self._process
+
+    @property
+    def ending(self) -> trio.Event:
+        """Set at the engine's first death sign or its death (wait on it; never set it)."""
+        return self._ending
+
+    @property
+    def output_links(self) -> int:
+        """The engine's output connections open now (ZMTP handshake done)."""
+        return self._link.output_links
+
+    @property
+    def stray_output_connections(self) -> int:
+        """Connections to the output socket that closed before their ZMTP
+        handshake (probes, port scans): counted and ignored."""
+        return self._link.stray_output_connections
+
+    async def wait_dead(self) -> None:
+        """Block until the engine is declared dead (``protocol.death`` is then set)."""
+        await self._dead.wait()
+
+    def process_exited(self, pid: int, code: int | None) -> None:
+        """The engine's process exited (a process watched elsewhere: one
+        launched process serving many engines): feed the link and act on its
+        decision (a death sign unless the client is closing)."""
+        self._act(self._link.process_exited(pid, code, trio.current_time()))
+
+    def close_link(self) -> None:
+        """Connection and process events decide nothing from now (the client
+        is closing, or the engine's tasks ended). Idempotent."""
+        self._link.close()
+
+    def queue_request(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
+        """Register *request* (validated by the caller) and queue its ADD;
+        start its *deadlines* (from :func:`effective_deadlines`). Returns its
+        mailbox. Synchronous; the input pump sends the ADD.
+
+        Raises:
+            DuplicateRequestIdError / EngineDeadError: as ``EngineProtocol.submit``.
+        """
+        p = self._protocol
+        if deadlines is None:
+            mailbox, _add = p.submit(request)
+        else:
+            timed = TimedMailbox(self._protocol.runtime.request_id(request), p.max_pending_tokens, p, deadlines)
+            mailbox, _add = p.submit(request, timed)
+            self._deadlines.add(timed, trio.current_time(), p.inflight)
+        # The silence watchdog measures from the first request in flight.
+        inflight = p.inflight
+        if inflight == 1:
+            self._link.submitted(trio.current_time(), inflight)
+        return mailbox
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the tasks (pumps, watches, deadlines) in *nursery*; they end
@@ -485,7 +559,7 @@ class EngineConnection:
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     link.output_connected()
                     self._sync_pump()
-                elif event & _HANDSHAKE_FAILED:
+                elif event & HANDSHAKE_FAILED_EVENTS:
                     link.output_handshake_failed()
                 elif event == zmq.EVENT_DISCONNECTED:
                     self._act(link.output_disconnected(endpoint))
@@ -497,7 +571,7 @@ class EngineConnection:
         code = await self._process.wait()
         _log.info("engine %d: launched engine process %d exited with code %s", self.engine_index,
                   self._process.pid, code)
-        self._act(self._link.process_exited(self._process.pid, code, trio.current_time()))
+        self.process_exited(self._process.pid, code)
 
     async def _deadline_watch(self) -> None:
         """The one task that enforces every request's deadlines: sleeps until
@@ -569,23 +643,21 @@ class EngineClient:
         connection: EngineConnection,
         ready: wire.EngineCoreReadyResponse,
         config: ClientConfig,
+        input_address: str = "",
+        output_address: str = "",
     ) -> None:
+        """*input_address* / *output_address*: where the engine's socket pair
+        is bound (the session's addresses)."""
         self._conn = connection
-        # The connection's parts this side uses (the same objects).
-        self._protocol = protocol = connection._protocol
-        self._link = connection._link
-        self._input = connection._input
-        self._output = connection._output
-        self._process = connection._process
-        self._dead = connection._dead
-        self._ending = connection._ending
-        self._deadlines = connection._deadlines
+        self._protocol = protocol = connection.protocol
+        self._process = connection.process
+        self._ending = connection.ending
         self.ready = ready
         self.runtime = protocol.runtime
         self.engine_index = protocol.engine_index
         self.config = config
-        self._bound_input = ""
-        self._bound_output = ""
+        self._bound_input = input_address
+        self._bound_output = output_address
 
     def __repr__(self) -> str:
         p = self._protocol
@@ -650,7 +722,7 @@ class EngineClient:
 
     async def wait_dead(self) -> EngineDeadError:
         """Block until the engine is declared dead; return the cause."""
-        await self._dead.wait()
+        await self._conn.wait_dead()
         assert self._protocol.death is not None
         return self._protocol.death
 
@@ -699,7 +771,7 @@ class EngineClient:
                 on entering).
             EngineDeadError: the engine is dead or the client closed.
         """
-        host = self._host
+        host = self.stream_host
         in_force = host.validate(request, deadlines)  # first: refuses the other runtime's request type
         return RequestStream(host, self.runtime.request_id(request), request, in_force)
 
@@ -726,47 +798,31 @@ class EngineClient:
             DuplicateRequestIdError: two samples share an id, or one is live.
             EngineDeadError: the engine is dead or the client closed.
         """
-        return open_samples(self._host, requests, deadlines)
+        return open_samples(self.stream_host, requests, deadlines)
 
     def stream_group(self) -> StreamGroup:
         """A new :class:`~zmqdispatch.StreamGroup` on this engine (use ``async
         with``): many requests read by one task, one batch per wake-up;
         ``group.generate(request)`` adds one and returns its member handle.
         Leaving the block aborts the live members in one ABORT."""
-        return StreamGroup(self._host)
+        return StreamGroup(self.stream_host)
 
     @functools.cached_property
-    def _host(self) -> _StreamHost:
-        return _StreamHost(self)
-
-    def _queue_request(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
-        """Register *request* (validated) and queue its ADD; start its
-        *deadlines* (from :func:`effective_deadlines`)."""
-        p = self._protocol
-        if deadlines is None:
-            mailbox, _add = p.submit(request)
-        else:
-            timed = TimedMailbox(self.runtime.request_id(request), p.max_pending_tokens, p, deadlines)
-            mailbox, _add = p.submit(request, timed)
-            self._deadlines.add(timed, trio.current_time(), p.inflight)
-        self._note_submit()
-        return mailbox
-
-    def _note_submit(self) -> None:
-        # The silence watchdog measures from the first request in flight.
-        inflight = self._protocol.inflight
-        if inflight == 1:
-            self._link.submitted(trio.current_time(), inflight)
+    def stream_host(self) -> StreamHost:
+        """What the streams may do to this engine (:class:`zmqdispatch.streams.StreamHost`):
+        validate, queue (``open``), abort, check alive. In-package: a many-engine
+        client's streams reach the engine a request was placed on through it."""
+        return _StreamHost(self, self._conn)
 
     @property
     def stray_output_connections(self) -> int:
         """Connections to the output socket that closed before their ZMTP
         handshake (probes, port scans): counted and ignored."""
-        return self._link.stray_output_connections
+        return self._conn.stray_output_connections
 
     @property
     def _output_links(self) -> int:
-        return self._link.output_links
+        return self._conn.output_links
 
     def stats(self) -> EngineStats:
         """A snapshot of this engine link's counters and latency histograms
@@ -945,92 +1001,6 @@ async def _park_sender(p: EngineProtocol) -> None:
 # ---------------------------------------------------------------------- connect
 
 
-def _private_ipc_dir() -> str:
-    # mkdtemp creates the directory with mode 0700 atomically: no window in
-    # which another user could plant a socket file (checked in _ipc).
-    return _ipc.private_ipc_dir(prefix="zmqd-")
-
-
-def _format_launch(launch: str | Sequence[str], handshake_address: str) -> list[str]:
-    """*launch* as an argv with ``{handshake_address}`` substituted.
-
-    Raises:
-        ValueError: an empty command, or a string that shell quoting rules
-            cannot split (an unclosed quote); the message names ``launch``.
-    """
-    try:
-        argv = shlex.split(launch) if isinstance(launch, str) else [str(a) for a in launch]
-    except ValueError as exc:
-        raise ValueError(f"launch: {launch!r} is not a command line: {exc}") from None
-    if not argv or not argv[0]:
-        raise ValueError("launch: the engine command is empty")
-    return [a.replace("{handshake_address}", handshake_address) for a in argv]
-
-
-def _leaves(e: BaseException) -> list[BaseException]:
-    if isinstance(e, BaseExceptionGroup):
-        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
-    return [e]
-
-
-def _unwrap(eg: BaseExceptionGroup) -> BaseException:
-    """The one meaningful exception of a nursery failure.
-
-    Cancellations are dropped when something else failed; a group of nothing
-    but cancellations becomes one bare ``Cancelled``, so the enclosing scope
-    (and any ``except trio.Cancelled``) sees what it expects. Several real
-    errors stay a group.
-    """
-    leaves = _leaves(eg)
-    errors = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-    if len(errors) == 1:
-        return errors[0]
-    if not errors and leaves:
-        return leaves[0]
-    return eg
-
-
-def _kill_group(proc: trio.Process) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-async def _terminate(proc: trio.Process, grace: float) -> None:
-    """SIGTERM the engine process, then SIGKILL its whole process group once it
-    exited or after *grace* seconds. Shielded
-    from cancellation; a KeyboardInterrupt (a second Ctrl-C) while waiting
-    SIGKILLs the group at once, so no engine is orphaned."""
-    try:
-        await _terminate_gracefully(proc, grace)
-    except BaseException:
-        _kill_group(proc)
-        raise
-
-
-async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
-    with trio.CancelScope(shield=True):
-        if proc.returncode is None:
-            _log.info("stopping launched engine process %d (SIGTERM, SIGKILL after %s s)", proc.pid, grace)
-            # SIGTERM to the engine process alone: it stops its own workers (a
-            # vLLM EngineCore whose worker was signalled too fails instead of
-            # stopping, and waits out the grace). What is left of the group is
-            # SIGKILLed below, as systemd's KillMode=mixed does.
-            try:
-                proc.send_signal(signal.SIGTERM)
-                os.killpg(proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) engine acts on it only once resumed
-            except ProcessLookupError:
-                pass
-            with trio.move_on_after(grace):
-                await proc.wait()
-        # Kill the whole group: vllm serve / EngineCore spawn workers.
-        _kill_group(proc)
-        with trio.move_on_after(2):
-            await proc.wait()
-        _log.info("launched engine process %d exited with code %s", proc.pid, proc.returncode)
-
-
 async def _handshake(
     hs: TrioSocket,
     inp: TrioSocket,
@@ -1117,30 +1087,12 @@ async def _handshake(
             nursery.start_soon(handshake_side)
             nursery.start_soon(input_side)
     except BaseExceptionGroup as eg:
-        error = _unwrap(eg)
+        error = unwrap(eg)
         if isinstance(error, EngineHandshakeTimeout):
             _log.warning("handshake: timed out after %s s waiting for %s", timeout, error.stage)
         raise error from None
     ((identity, ready),) = machine.results()
     return identity, ready
-
-
-def _check_version(ready: wire.EngineCoreReadyResponse, config: ClientConfig) -> EngineVersion:
-    """The version guard (:mod:`zmqdispatch.protocol.versions`): refuse an
-    engine version the codec was not checked against, or warn when the caller
-    allowed it."""
-    try:
-        version = check_engine_version(ready.vllm_version, allow_unknown=config.allow_unknown_engine_version)
-    except ValueError as exc:
-        raise EngineHandshakeError(str(exc)) from None
-    if not version.known:
-        _log.warning("%s; connecting anyway (allow_unknown_engine_version)", version.unknown_message())
-    return version
-
-
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 
 
 async def _await_reconnect(monitor: TrioSocket | None, timeout: float, link: EngineLink) -> None:
@@ -1246,7 +1198,7 @@ async def connect(
         raise ValueError("quorum / data_plane_host apply to many engines: pass data_parallel_size")
     config = config or ClientConfig()
     if launch is not None:
-        _format_launch(launch, "")  # refuse a malformed command before anything is bound
+        format_launch(launch, "")  # refuse a malformed command before anything is bound
     # Every address is checked before a socket exists (nothing to undo).
     if handshake_address is not None:
         check_address(handshake_address, role="handshake_address", any_port=launch is not None)
@@ -1270,7 +1222,7 @@ async def connect(
     def ipc(name: str) -> str:
         nonlocal ipc_dir
         if ipc_dir is None:
-            ipc_dir = _private_ipc_dir()
+            ipc_dir = _ipc.private_ipc_dir()
         return f"ipc://{ipc_dir}/{name}"
 
     inp = ctx.socket(zmq.ROUTER, name="input", router_mandatory=True, sndhwm=config.send_hwm)
@@ -1292,7 +1244,7 @@ async def connect(
     try:
         # Created before bind: the output watch sees the engine's output connection drop.
         out_monitor = out.monitor(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED, name="output-monitor"
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS, name="output-monitor"
         )
         if config.death_on_disconnect or resume is not None:
             # Created before bind so no event is missed: the watch task counts
@@ -1321,21 +1273,7 @@ async def connect(
             hs_address = await bind(hs, handshake_address or ipc("handshake.sock"), "handshake_address")
             _log.info("bound handshake %s, input %s, output %s", hs_address, input_address, output_address)
             if launch is not None:
-                argv = _format_launch(launch, hs_address)
-                try:
-                    process = await trio.lowlevel.open_process(
-                        argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=launch_stdout if launch_stdout is not None else sys.stderr.fileno(),
-                        # A process group of its own (so a stop reaches its workers too), but
-                        # inside the caller's session: a new session is a new scheduling
-                        # autogroup, and a busy-polling engine there starves the client
-                        # (docs/deployment.md).
-                        process_group=0,
-                    )
-                except OSError as exc:
-                    raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
-                _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
+                process = await launch_engine(launch, hs_address, launch_stdout)
             _log.info("waiting for an engine at %s, timeout %s s", hs_address, config.handshake_timeout,
                       extra={"zmqdispatch_wait": True})
             identity, ready = await _handshake(
@@ -1352,7 +1290,7 @@ async def connect(
                 hs_monitor.close()
                 hs_monitor = None
         hs.close()
-        _check_version(ready, config)
+        check_version(ready, allow_unknown=config.allow_unknown_engine_version)
         engine_index = int.from_bytes(identity, "little") if len(identity) == 2 else 0
         link.engine_index = engine_index
         protocol = EngineProtocol(
@@ -1385,8 +1323,8 @@ async def connect(
             send_timeout=config.send_timeout,
             pause_gc_while_routing=config.pause_gc_while_routing,
         )
-        client = EngineClient(connection=connection, ready=ready, config=config)
-        client._bound_input, client._bound_output = input_address, output_address
+        client = EngineClient(connection=connection, ready=ready, config=config, input_address=input_address,
+                              output_address=output_address)
         try:
             async with trio.open_nursery() as nursery:
                 connection.start(nursery)
@@ -1399,7 +1337,7 @@ async def connect(
                         _log.info("closing the client of engine %d (%d live requests aborted)", engine_index, aborted)
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
-            raise _unwrap(eg) from None
+            raise unwrap(eg) from None
     finally:
         link.close()
         if monitor is not None:
@@ -1417,7 +1355,7 @@ async def connect(
         inp.close(linger_ms=1000)
         try:
             if process is not None:
-                await _terminate(process, config.terminate_grace)
+                await terminate(process, config.terminate_grace)
         finally:
             if ipc_dir is not None:
                 shutil.rmtree(ipc_dir, ignore_errors=True)

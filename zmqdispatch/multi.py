@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shlex
 import shutil
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,19 +35,11 @@ import trio
 import zmq
 
 from . import _ipc, limits
-from ._zmq_trio import PeerUnreachable, TrioSocket, ZmqContext
+from ._zmq_trio import HANDSHAKE_FAILED_EVENTS, PeerUnreachable, TrioSocket, ZmqContext
 from .addresses import check_address
-from .client import (
-    _HANDSHAKE_FAILED,
-    ClientConfig,
-    EngineClient,
-    EngineConnection,
-    _check_version,
-    _format_launch,
-    _private_ipc_dir,
-    _terminate,
-    _unwrap,
-)
+from ._engine_lifecycle import check_version, format_launch, terminate, unwrap
+from ._engine_lifecycle import launch as launch_engine
+from .client import ClientConfig, EngineClient, EngineConnection
 from .errors import (
     AddressBindError,
     EngineDeadError,
@@ -89,83 +78,100 @@ ADDRESS_INDEX_STRIDE = 1 << 16
 _log = logging.getLogger("zmqdispatch.client")
 
 
+@attrs.frozen(eq=False)
+class _Hosting:
+    """What the stream hosts of a :class:`MultiEngineClient` may do to it: its
+    engine set, its engines, and three of its checks (bound methods)."""
+
+    engines: EngineSet
+    members: Mapping[int, _Member]
+    #: ``(request, deadlines, pin) -> deadlines in force``: quorum, the
+    #: validation engine's checks, a new id, a pinned engine that can start it
+    validate: Callable[[EngineRequest, Deadlines | None, Any], Deadlines | None]
+    #: ``(request_id, pin) -> EngineClient``: place a request being entered
+    place: Callable[[str, int | None], EngineClient]
+    #: raises ``EngineDeadError`` (closed) / ``NoEngineAvailableError`` (below quorum)
+    check_quorum: Callable[[], None]
+
+
 class _PlacedHost:
     """The :class:`~zmqdispatch.streams.StreamHost` of one placement: a request,
     or the ``n`` samples of one request. The first ``open`` (entering the
     stream) picks the engine; the samples opened after it go to the same
     engine (its prefix cache). Nothing is placed for a stream never entered."""
 
-    __slots__ = ("_engine", "_multi", "_pin", "runtime")
+    __slots__ = ("_engine", "_hosting", "_pin", "runtime")
 
-    def __init__(self, multi: MultiEngineClient, pin: int | None) -> None:
-        self._multi = multi
+    def __init__(self, hosting: _Hosting, pin: int | None, runtime: Runtime) -> None:
+        self._hosting = hosting
         self._pin = pin
         self._engine: EngineClient | None = None
-        self.runtime = multi.runtime
+        self.runtime = runtime
 
     def validate(self, request: EngineRequest, deadlines: Deadlines | None) -> Deadlines | None:
-        return self._multi._validate(request, deadlines, self._pin)
+        return self._hosting.validate(request, deadlines, self._pin)
 
     def is_live(self, request_id: str) -> bool:
-        return self._multi._set.route(request_id) is not None
+        return self._hosting.engines.route(request_id) is not None
 
     def open(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
-        multi = self._multi
+        hosting = self._hosting
         rid = self.runtime.request_id(request)
         engine = self._engine
         if engine is None:
-            engine = self._engine = multi._place(rid, self._pin)
+            engine = self._engine = hosting.place(rid, self._pin)
         else:
-            multi._set.request_started(rid, engine.engine_index)  # a sibling sample: the same engine
+            hosting.engines.request_started(rid, engine.engine_index)  # a sibling sample: the same engine
         try:
-            return engine._queue_request(request, deadlines)
+            return engine.stream_host.open(request, deadlines)
         except BaseException:
-            multi._set.request_finished(rid)
+            hosting.engines.request_finished(rid)
             raise
 
     def abort(self, mailbox: Mailbox) -> None:
         if self._engine is not None:
-            self._engine._host.abort(mailbox)
+            self._engine.stream_host.abort(mailbox)
 
     def check_alive(self) -> None:
         if self._engine is not None:
-            self._engine._host.check_alive()
+            self._engine.stream_host.check_alive()
         else:
-            self._multi._check_quorum()
+            self._hosting.check_quorum()
 
 
 class _GroupHost:
     """The :class:`~zmqdispatch.streams.StreamHost` of a stream group over many
     engines: each member is placed on its own."""
 
-    __slots__ = ("_multi", "runtime")
+    __slots__ = ("_hosting", "runtime")
 
-    def __init__(self, multi: MultiEngineClient) -> None:
-        self._multi = multi
-        self.runtime = multi.runtime
+    def __init__(self, hosting: _Hosting, runtime: Runtime) -> None:
+        self._hosting = hosting
+        self.runtime = runtime
 
     def validate(self, request: EngineRequest, deadlines: Deadlines | None) -> Deadlines | None:
-        return self._multi._validate(request, deadlines, getattr(request, "data_parallel_rank", None))
+        return self._hosting.validate(request, deadlines, getattr(request, "data_parallel_rank", None))
 
     def is_live(self, request_id: str) -> bool:
-        return self._multi._set.route(request_id) is not None
+        return self._hosting.engines.route(request_id) is not None
 
     def open(self, request: EngineRequest, deadlines: Deadlines | None) -> Mailbox:
-        return _PlacedHost(self._multi, getattr(request, "data_parallel_rank", None)).open(request, deadlines)
+        pin = getattr(request, "data_parallel_rank", None)
+        return _PlacedHost(self._hosting, pin, self.runtime).open(request, deadlines)
 
     def abort(self, mailbox: Mailbox) -> None:
-        multi = self._multi
-        route = multi._set.route(mailbox.request_id)
+        hosting = self._hosting
+        route = hosting.engines.route(mailbox.request_id)
         if route is not None:
-            multi._members[route.engine_index].client._host.abort(mailbox)
+            hosting.members[route.engine_index].client.stream_host.abort(mailbox)
             return
         # Out of the table (its engine is dying): the owner is whichever engine
         # still holds this very mailbox (abort_mailbox checks identity).
-        for m in multi._members.values():
-            m.client._host.abort(mailbox)
+        for m in hosting.members.values():
+            m.client.stream_host.abort(mailbox)
 
     def check_alive(self) -> None:
-        self._multi._check_quorum()
+        self._hosting.check_quorum()
 
 
 @attrs.define
@@ -178,6 +184,32 @@ class _Member:
     sockets: list[TrioSocket]
     handshake_address: str = ""
     identity: bytes = b""
+
+
+def _no_member(member: _Member) -> None:
+    raise AssertionError("a MultiEngineClient sets this hook")  # pragma: no cover
+
+
+def _nothing() -> None:
+    raise AssertionError("a MultiEngineClient sets this hook")  # pragma: no cover
+
+
+@attrs.define(eq=False)
+class _Serving:
+    """What :func:`connect_engines` (the shell) and the :class:`MultiEngineClient`
+    it serves share: the engines served, the handshakes under way, whether the
+    client is closed, and the client's two hooks the shell calls (set by the
+    client)."""
+
+    #: every engine's current incarnation, by ``engine_index`` (dead ones included)
+    members: dict[int, _Member] = attrs.Factory(dict)
+    #: the handshakes under way, by ``engine_index``
+    pending: dict[int, _Pending] = attrs.Factory(dict)
+    closed: bool = False
+    #: an engine completed its handshake: serve it (a new engine, or a new incarnation)
+    engine_joined: Callable[[_Member], None] = _no_member
+    #: wake whoever waits for an engine state change
+    state_changed: Callable[[], None] = _nothing
 
 
 class MultiEngineClient:
@@ -195,16 +227,20 @@ class MultiEngineClient:
             refuses new requests (``NoEngineAvailableError``).
     """
 
-    def __init__(self, *, config: ClientConfig, quorum: int, rng: Any = None) -> None:
+    def __init__(self, *, config: ClientConfig, quorum: int, rng: Any = None, serving: _Serving | None = None) -> None:
+        """*serving*: the state shared with the shell serving this client
+        (:func:`connect_engines` passes its own)."""
         self.config = config
         self.quorum = quorum
         self._set = EngineSet()
         self._placement = Placement(self._set, rng=rng)
-        self._members: dict[int, _Member] = {}
+        self._serving = serving = serving if serving is not None else _Serving()
+        self._members = serving.members
         self._drains: dict[int, trio.Event] = {}
         self._changed = trio.Event()  # set (and replaced) on every engine state change
-        self._pending: Mapping[int, Any] = {}  # the handshakes under way, by engine_index (set by the shell)
-        self._closed = False
+        serving.engine_joined = self._engine_joined
+        serving.state_changed = self._state_changed
+        self._hosting = _Hosting(self._set, self._members, self._validate, self._place, self._check_quorum)
 
     def __repr__(self) -> str:
         states = ", ".join(f"{s.engine_index}:{s.state.value}" for s in self._set.snapshot())
@@ -262,7 +298,7 @@ class MultiEngineClient:
         """The ``engine_index`` of each engine whose handshake is under way (it
         said HELLO, not yet READY), at most ``limits.MAX_PENDING_HANDSHAKES``
         (or ``data_parallel_size``) at once."""
-        return tuple(sorted(self._pending))
+        return tuple(sorted(self._serving.pending))
 
     @property
     def up_count(self) -> int:
@@ -276,7 +312,7 @@ class MultiEngineClient:
     @property
     def is_alive(self) -> bool:
         """The client takes new requests: not closed, and :attr:`has_quorum`."""
-        return not self._closed and self.has_quorum
+        return not self._serving.closed and self.has_quorum
 
     @property
     def runtime(self) -> Runtime:
@@ -378,7 +414,7 @@ class MultiEngineClient:
         return min((m.client for m in self._members.values()), key=lambda c: c.max_model_len)
 
     def _check_quorum(self) -> None:
-        if self._closed:
+        if self._serving.closed:
             raise EngineDeadError("the engine client is closed", reason="closed")
         if not self._set.has_quorum(self.quorum):
             words = {s.engine_index: s.state.value if s.reason is None else f"{s.state.value}: {s.reason}"
@@ -421,7 +457,7 @@ class MultiEngineClient:
             EngineDeadError / EngineDrainingError: the pinned engine is dead / draining.
         Entering raises the same when the engines changed meanwhile.
         """
-        host = _PlacedHost(self, getattr(request, "data_parallel_rank", None))
+        host = _PlacedHost(self._hosting, getattr(request, "data_parallel_rank", None), self.runtime)
         in_force = host.validate(request, deadlines)
         return RequestStream(host, host.runtime.request_id(request), request, in_force)
 
@@ -430,12 +466,12 @@ class MultiEngineClient:
         """:meth:`EngineClient.generate_samples`, every sample on one engine
         (the least loaded when entered, or the first sample's ``data_parallel_rank``)."""
         pin = getattr(requests[0], "data_parallel_rank", None) if requests else None
-        return open_samples(_PlacedHost(self, pin), requests, deadlines)
+        return open_samples(_PlacedHost(self._hosting, pin, self.runtime), requests, deadlines)
 
     def stream_group(self) -> StreamGroup:
         """:meth:`EngineClient.stream_group` over every engine: each member is
         placed on its own (pins honoured)."""
-        return StreamGroup(_GroupHost(self))
+        return StreamGroup(_GroupHost(self._hosting, self.runtime))
 
     def stats(self) -> dict[int, EngineStats]:
         """Each engine's :class:`~zmqdispatch.metrics.EngineStats`, by index."""
@@ -485,7 +521,7 @@ class MultiEngineClient:
         member.route = route
         self._members[index] = member
         conn = member.connection
-        protocol = conn._protocol
+        protocol = conn.protocol
         engines = self._set
         placement = self._placement
         drains = self._drains
@@ -497,7 +533,7 @@ class MultiEngineClient:
                 self._drain_check(index)
 
         def on_ending(exc: EngineDeadError) -> None:
-            if self._closed:
+            if self._serving.closed:
                 return
             if self._members.get(index) is member and engines.state(index).state is not EngineState.DEAD:
                 lost = engines.engine_died(index, exc.reason)
@@ -634,7 +670,7 @@ async def connect_engines(
                          "use data_plane_host= to bind them on tcp")
     addresses = [handshake_address] if isinstance(handshake_address, str) else list(handshake_address or [])
     if launch is not None:
-        _format_launch(launch, "")
+        format_launch(launch, "")
     for a in addresses:
         check_address(a, role="handshake_address", any_port=launch is not None)
     if data_plane_host is not None:
@@ -647,7 +683,7 @@ async def connect_engines(
     def ipc(name: str) -> str:
         nonlocal ipc_dir
         if ipc_dir is None:
-            ipc_dir = _private_ipc_dir()
+            ipc_dir = _ipc.private_ipc_dir()
         return f"ipc://{ipc_dir}/{name}"
 
     async def bind(sock: TrioSocket, address: str, role: str) -> str:
@@ -658,7 +694,8 @@ async def connect_engines(
                                    address=address, role=role, errno=exc.errno) from None
         return sock.bind(prepared, role=role)
 
-    client = MultiEngineClient(config=config, quorum=quorum, rng=rng)
+    serving = _Serving()
+    client = MultiEngineClient(config=config, quorum=quorum, rng=rng, serving=serving)
     # One handshake ROUTER per address: engines of different addresses may
     # share an identity (two independent engines, both DP rank 0), which one
     # ROUTER could not tell apart. Handover: a restarted engine dials with its
@@ -668,8 +705,7 @@ async def connect_engines(
     sockets = [ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True, router_handover=True)
                for _ in range(max(1, len(addresses)))]
     process: trio.Process | None = None
-    pending: dict[int, _Pending] = {}  # by engine_index
-    client._pending = pending
+    pending = serving.pending  # by engine_index
     max_pending = max(limits.MAX_PENDING_HANDSHAKES, data_parallel_size)
     startup = True
     startup_error: list[BaseException] = []
@@ -684,7 +720,7 @@ async def connect_engines(
         n = next(seq)
         inp = ctx.socket(zmq.ROUTER, name="input", router_mandatory=True, sndhwm=config.send_hwm)
         out = ctx.socket(zmq.PULL, name="output", rcvhwm=0, maxmsgsize=limits.MAX_FRAME_BYTES)
-        out_monitor = out.monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
+        out_monitor = out.monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS,
                                   name="output-monitor")
         monitor = None
         if config.death_on_disconnect:
@@ -720,10 +756,10 @@ async def connect_engines(
                               step.identity.hex())
                 await p.ready_status.wait()
             ((identity, ready),) = p.machine.results()
-            _check_version(ready, config)
+            check_version(ready, allow_unknown=config.allow_unknown_engine_version)
             resolved = Runtime.resolve(wanted_runtime, ready)
             check_not_lockstep(ready, identity, vllm=resolved is Runtime.VLLM)
-            if client._members and resolved is not client.runtime:
+            if serving.members and resolved is not client.runtime:
                 raise EngineHandshakeError(
                     f"engine {index} is a {resolved.value} engine; this client's engines are {client.runtime.value}"
                 )
@@ -739,7 +775,7 @@ async def connect_engines(
                 raise
             _log.warning("engine %d (identity %s): handshake failed: %s", index, p.identity.hex(), exc)
             fail_startup(exc)
-            client._state_changed()
+            serving.state_changed()
             return
         if pending.get(index) is p:
             del pending[index]
@@ -753,10 +789,10 @@ async def connect_engines(
                                 monitor_sock=p.monitor, output_monitor_sock=p.out_monitor,
                                 send_timeout=config.send_timeout,
                                 pause_gc_while_routing=config.pause_gc_while_routing)
-        engine = EngineClient(connection=conn, ready=ready, config=config)
-        engine._bound_input, engine._bound_output = p.input_address, p.output_address
+        engine = EngineClient(connection=conn, ready=ready, config=config, input_address=p.input_address,
+                              output_address=p.output_address)
         member = _Member(engine, conn, Route(index, 0), p.sockets(), p.handshake_address, identity)
-        client._engine_joined(member)
+        serving.engine_joined(member)
         _log.info("engine %d ready (identity %s on %s, incarnation %d): %s, version %s, max_model_len %d; "
                   "input %s, output %s", index, identity.hex(), p.handshake_address, member.route.incarnation,
                   resolved.value, ready.vllm_version, ready.max_model_len, p.input_address, p.output_address)
@@ -769,10 +805,10 @@ async def connect_engines(
         try:
             async with trio.open_nursery() as tasks:
                 conn.start(tasks)
-                await conn._dead.wait()
+                await conn.wait_dead()
                 tasks.cancel_scope.cancel()
         finally:
-            conn._link.close()
+            conn.close_link()
             _close_sockets(member.sockets)
 
     async def handshake_side(nursery: trio.Nursery, hs: TrioSocket, base: int, address: str) -> None:
@@ -781,7 +817,7 @@ async def connect_engines(
             try:
                 frames = await hs.recv_multipart()
             except trio.ClosedResourceError:
-                if client._closed:
+                if serving.closed:
                     return  # closed first when the client closes (below)
                 raise
             identity = frames[0] if frames else b""
@@ -810,11 +846,11 @@ async def connect_engines(
                 continue
             try:
                 if p is None:
-                    old = client._members.get(index)
-                    if old is not None and old.connection._protocol.state is LinkState.READY:
+                    old = serving.members.get(index)
+                    if old is not None and old.connection.protocol.state is LinkState.READY:
                         # Same identity, a new HELLO: that rank restarted; its old
                         # incarnation is gone (its requests fail, its sockets close).
-                        old.connection._protocol.engine_died(EngineDeadError(
+                        old.connection.protocol.engine_died(EngineDeadError(
                             f"engine {index} dialed the handshake again (it restarted)", engine_index=index,
                             reason="restarted"))
                     p = await new_pair(identity, index, address)
@@ -851,9 +887,8 @@ async def connect_engines(
         _log.info("launched engine process %d exited with code %s", process.pid, code)
         fail_startup(EngineHandshakeError(f"engine process {process.pid} exited with code {code} during the "
                                           "handshake"))
-        now = trio.current_time()
-        for m in list(client._members.values()):
-            m.connection._act(m.connection._link.process_exited(process.pid, code, now))
+        for m in list(serving.members.values()):
+            m.connection.process_exited(process.pid, code)
 
     try:
         bound = [await bind(hs, a, "handshake_address")
@@ -861,16 +896,7 @@ async def connect_engines(
         _log.info("bound handshake %s; waiting for %d engine(s), timeout %s s", ", ".join(bound),
                   data_parallel_size, config.handshake_timeout, extra={"zmqdispatch_wait": True})
         if launch is not None:
-            argv = _format_launch(launch, bound[0])
-            try:
-                process = await trio.lowlevel.open_process(
-                    argv, stdin=subprocess.DEVNULL,
-                    stdout=launch_stdout if launch_stdout is not None else sys.stderr.fileno(),
-                    process_group=0,
-                )
-            except OSError as exc:
-                raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
-            _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
+            process = await launch_engine(launch, bound[0], launch_stdout)
         try:
             async with trio.open_nursery() as nursery:
                 for k, (hs, address) in enumerate(zip(sockets, bound, strict=True)):
@@ -890,7 +916,7 @@ async def connect_engines(
                 try:
                     yield client
                 finally:
-                    client._closed = True
+                    serving.closed = True
                     # The handshake sockets close before any engine's data sockets: an
                     # engine that sees its input connection close may dial the handshake
                     # address again at once (the mock engine serving clients in turn, a
@@ -898,20 +924,20 @@ async def connect_engines(
                     # read by this closing one.
                     for hs in sockets:
                         hs.close()
-                    for m in client._members.values():
+                    for m in serving.members.values():
                         m.connection.close_client()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
-            raise _unwrap(eg) from None
+            raise unwrap(eg) from None
     finally:
-        client._closed = True
+        serving.closed = True
         for p in list(pending.values()):
             _close_sockets(p.sockets())
         for hs in sockets:
             hs.close()
         try:
             if process is not None:
-                await _terminate(process, config.terminate_grace)
+                await terminate(process, config.terminate_grace)
         finally:
             if ipc_dir is not None:
                 shutil.rmtree(ipc_dir, ignore_errors=True)

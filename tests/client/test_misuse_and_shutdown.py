@@ -15,7 +15,7 @@ import trio.testing
 
 import zmqdispatch
 from zmqdispatch import LocalProtocolError, connect
-from zmqdispatch.client import _terminate
+from zmqdispatch._engine_lifecycle import terminate
 from zmqdispatch.testing import FakeEngine
 from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 from zmqdispatch.wire import vllm as wire
@@ -101,7 +101,7 @@ async def test_a_second_interrupt_during_engine_shutdown_kills_the_process_group
 
     proc.wait = interrupted_wait  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
-        await _terminate(proc, grace=30.0)
+        await terminate(proc, grace=30.0)
     proc.wait = real_wait  # type: ignore[method-assign]
     with trio.fail_after(GUARD):
         code = await proc.wait()

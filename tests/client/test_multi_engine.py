@@ -523,7 +523,7 @@ async def _capped_handshakes(tmp_path, caplog, refused: trio.Event) -> None:
             doomed = [await start_rank(nursery, rank_cfg(address, r, faults=(("no-ready", 0),))) for r in (5, 6, 7)]
             await refused.wait()  # the third HELLO arrives after the other two
             assert len(client.pending_handshakes) == 2  # the cap: no third socket pair
-            held = list(client._pending.values())
+            held = list(client._serving.pending.values())
             assert all(not s.closed for p in held for s in p.sockets())
             for scope in doomed:
                 scope.cancel()

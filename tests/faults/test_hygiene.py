@@ -397,4 +397,4 @@ async def test_the_output_socket_is_capped_at_max_frame_bytes():
     from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     async with fake_pair() as (engine, client):
-        assert client._output._sock.getsockopt(zmq.MAXMSGSIZE) == limits.MAX_FRAME_BYTES
+        assert client._conn._output._sock.getsockopt(zmq.MAXMSGSIZE) == limits.MAX_FRAME_BYTES

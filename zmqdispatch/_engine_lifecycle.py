@@ -1,0 +1,156 @@
+"""Starting and stopping an engine: what both trio shells share
+(:func:`zmqdispatch.client.connect` for one engine,
+:func:`zmqdispatch.multi.connect_engines` for many).
+
+- the launch command (``{handshake_address}`` substituted) and the launched
+  process: :func:`format_launch`, :func:`launch`, :func:`terminate`;
+- the version guard on an engine's ready response: :func:`check_version`;
+- the one error a shell's nursery failure stands for: :func:`unwrap`.
+
+In-package names: nothing here is part of the public API (``zmqdispatch.__all__``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from .errors import EngineHandshakeError
+from .protocol.versions import EngineVersion, check_engine_version
+from .wire import vllm_handshake as wire
+
+__all__ = ["check_version", "format_launch", "launch", "terminate", "unwrap"]
+
+_log = logging.getLogger("zmqdispatch.client")
+
+
+def format_launch(launch: str | Sequence[str], handshake_address: str) -> list[str]:
+    """*launch* as an argv with ``{handshake_address}`` substituted.
+
+    Raises:
+        ValueError: an empty command, or a string that shell quoting rules
+            cannot split (an unclosed quote); the message names ``launch``.
+    """
+    try:
+        argv = shlex.split(launch) if isinstance(launch, str) else [str(a) for a in launch]
+    except ValueError as exc:
+        raise ValueError(f"launch: {launch!r} is not a command line: {exc}") from None
+    if not argv or not argv[0]:
+        raise ValueError("launch: the engine command is empty")
+    return [a.replace("{handshake_address}", handshake_address) for a in argv]
+
+
+async def launch(launch: str | Sequence[str], handshake_address: str, stdout: int | None) -> trio.Process:
+    """Start the engine command *launch* (see :func:`format_launch`) told to
+    dial *handshake_address*; its stdout goes to *stdout* (default: our stderr),
+    its stdin is ``/dev/null``.
+
+    The process gets a process group of its own (so :func:`terminate` reaches
+    its workers too) but stays inside the caller's session: a new session is a
+    new scheduling autogroup, and a busy-polling engine there starves the
+    client (``docs/deployment.md``).
+
+    Raises:
+        EngineHandshakeError: the command cannot be started (not found, not executable).
+        ValueError: as :func:`format_launch`.
+    """
+    argv = format_launch(launch, handshake_address)
+    try:
+        process = await trio.lowlevel.open_process(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout if stdout is not None else sys.stderr.fileno(),
+            process_group=0,
+        )
+    except OSError as exc:
+        raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+    _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
+    return process
+
+
+def _kill_group(proc: trio.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def terminate(proc: trio.Process, grace: float) -> None:
+    """SIGTERM the engine process, then SIGKILL its whole process group once it
+    exited or after *grace* seconds. Shielded
+    from cancellation; a KeyboardInterrupt (a second Ctrl-C) while waiting
+    SIGKILLs the group at once, so no engine is orphaned."""
+    try:
+        await _terminate_gracefully(proc, grace)
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
+    with trio.CancelScope(shield=True):
+        if proc.returncode is None:
+            _log.info("stopping launched engine process %d (SIGTERM, SIGKILL after %s s)", proc.pid, grace)
+            # SIGTERM to the engine process alone: it stops its own workers (a
+            # vLLM EngineCore whose worker was signalled too fails instead of
+            # stopping, and waits out the grace). What is left of the group is
+            # SIGKILLed below, as systemd's KillMode=mixed does.
+            try:
+                proc.send_signal(signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) engine acts on it only once resumed
+            except ProcessLookupError:
+                pass
+            with trio.move_on_after(grace):
+                await proc.wait()
+        # Kill the whole group: vllm serve / EngineCore spawn workers.
+        _kill_group(proc)
+        with trio.move_on_after(2):
+            await proc.wait()
+        _log.info("launched engine process %d exited with code %s", proc.pid, proc.returncode)
+
+
+def check_version(ready: wire.EngineCoreReadyResponse, *, allow_unknown: bool) -> EngineVersion:
+    """The version guard (:mod:`zmqdispatch.protocol.versions`): refuse an
+    engine version the codec was not checked against, or warn when the caller
+    allowed it (``ClientConfig.allow_unknown_engine_version``).
+
+    Raises:
+        EngineHandshakeError: the version is unknown and not allowed (the message names it).
+    """
+    try:
+        version = check_engine_version(ready.vllm_version, allow_unknown=allow_unknown)
+    except ValueError as exc:
+        raise EngineHandshakeError(str(exc)) from None
+    if not version.known:
+        _log.warning("%s; connecting anyway (allow_unknown_engine_version)", version.unknown_message())
+    return version
+
+
+def _leaves(e: BaseException) -> list[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [e]
+
+
+def unwrap(eg: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one meaningful exception of a nursery failure.
+
+    Cancellations are dropped when something else failed; a group of nothing
+    but cancellations becomes one bare ``Cancelled``, so the enclosing scope
+    (and any ``except trio.Cancelled``) sees what it expects. Several real
+    errors stay a group.
+    """
+    leaves = _leaves(eg)
+    errors = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    if len(errors) == 1:
+        return errors[0]
+    if not errors and leaves:
+        return leaves[0]
+    return eg
