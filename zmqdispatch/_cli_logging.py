@@ -21,6 +21,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The command line's stderr handler (told apart to be replaced)."""
+
+
 def configure(level: str, *, announce_waits: bool = False) -> logging.Handler:
     """Send the ``zmqdispatch`` logger tree to stderr at *level* (one of
     :data:`LOG_LEVELS`); with *announce_waits*, the wait records at any level.
@@ -29,10 +33,9 @@ def configure(level: str, *, announce_waits: bool = False) -> logging.Handler:
     threshold = getattr(logging, level.upper())
     root = logging.getLogger("zmqdispatch")
     for h in list(root.handlers):
-        if getattr(h, "_zmqdispatch_cli", False):
+        if isinstance(h, _CliHandler):
             root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler._zmqdispatch_cli = True  # type: ignore[attr-defined]
+    handler = _CliHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT))
     handler.addFilter(
         lambda r: r.levelno >= threshold or (announce_waits and getattr(r, "zmqdispatch_wait", False))

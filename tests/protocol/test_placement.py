@@ -339,7 +339,7 @@ def test_placement_invariants_under_any_event_sequence(ops: list[tuple[object, .
 
         loads = {load.engine_index: load for load in p.loads()}
         # The loads the scan reads (kept current on each event) equal the ones recomputed.
-        up_records, kept = es._up_records()
+        up_records, kept = es.up_records()
         assert {e.index: score for e, score in zip(up_records, kept)} == {
             i: load.score for i, load in loads.items() if load.state is EngineState.UP
         }

@@ -143,7 +143,8 @@ class Outgoing:
     request: Any = None  # an ADD's request, until pop_send encodes it
     error: BaseException | None = None  # why a REJECTED ADD was not sent
 
-    def _settle(self, state: SendState) -> None:
+    def settle(self, state: SendState) -> None:
+        """:class:`EngineProtocol`: the message reached its final *state*; wake its waiter."""
         self.state = state
         w = self.waiter
         if w is not None:
@@ -162,7 +163,8 @@ class PendingUtilityCall:
     error: BaseException | None = None
     waiter: Callable[[], None] | None = None
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
+        """:class:`EngineProtocol`: the call is done (``result`` or ``error`` set); wake its waiter."""
         self.done = True
         w = self.waiter
         if w is not None:
@@ -454,7 +456,7 @@ class EngineProtocol:
                 _log.debug("request %r: aborted%s", rid, "" if error is None else f" ({error})")
             if mb.add.state is SendState.QUEUED:
                 mb.add.request = None
-                mb.add._settle(SendState.CANCELLED)  # never reaches the engine
+                mb.add.settle(SendState.CANCELLED)  # never reaches the engine
             elif self.state is LinkState.READY:
                 self._queue_abort(mb.wire_id)
                 woke = True
@@ -552,7 +554,7 @@ class EngineProtocol:
                     self.on_retired(mb)
                 mb.fail(error)
             out.error = error
-            out._settle(SendState.REJECTED)
+            out.settle(SendState.REJECTED)
             return False
         return True
 
@@ -560,7 +562,7 @@ class EngineProtocol:
         """The socket accepted *out*."""
         if self._abort_in_flight is not None and self._abort_in_flight[0] is out:
             self._abort_in_flight = None
-        out._settle(SendState.SENT)
+        out.settle(SendState.SENT)
 
     @property
     def pending_abort_ids(self) -> list[str]:
@@ -632,7 +634,7 @@ class EngineProtocol:
         self._utility = {}
         for call in calls.values():
             call.error = RemoteProtocolError(f"utility call {call.method!r}: {message}")
-            call._settle()
+            call.settle()
         if woke:
             self._wake_sender()
 
@@ -794,7 +796,7 @@ class EngineProtocol:
                     )
                 else:
                     call.result = None if uo.result is None else uo.result.value
-                call._settle()
+                call.settle()
 
     def _route_tokenspeed(self, batch: ts.TokenSpeedBatch) -> None:
         """Route one TokenSpeed ``BatchTokenIDOutSlim`` (columns parallel to ``rids``)."""
@@ -939,17 +941,17 @@ class EngineProtocol:
         for entry in requests.values():
             entry.fail(EngineDeadError(str(exc), engine_index=exc.engine_index, reason=exc.reason))
             if entry.add.state in (SendState.QUEUED, SendState.SENDING):
-                entry.add._settle(SendState.FAILED)
+                entry.add.settle(SendState.FAILED)
         for out in self._outbox:
             if out.state is SendState.QUEUED:
-                out._settle(SendState.FAILED)
+                out.settle(SendState.FAILED)
         self._outbox.clear()
         self._pending_aborts.clear()
         calls = self._utility
         self._utility = {}
         for call in calls.values():
             call.error = EngineDeadError(str(exc), engine_index=exc.engine_index, reason=exc.reason)
-            call._settle()
+            call.settle()
         self._wake_sender()
         if self.on_death is not None:
             self.on_death(exc)

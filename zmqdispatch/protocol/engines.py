@@ -89,8 +89,10 @@ class Route(NamedTuple):
     incarnation: int
 
 
-class _Engine:
-    """Mutable per-engine record (internal)."""
+class EngineRecord:
+    """Mutable per-engine record: the set's own, which :class:`~zmqdispatch.protocol.placement.Placement`
+    reads and changes only through :class:`EngineSet`'s ``records`` / ``up_records`` /
+    ``start_on`` / ``set_extra``."""
 
     __slots__ = ("extra", "idle_epoch", "incarnation", "index", "pos", "reason", "requests", "state")
 
@@ -138,12 +140,12 @@ class EngineSet:
     __slots__ = ("_engines", "_table", "_up", "_up_scores")
 
     def __init__(self) -> None:
-        self._engines: dict[int, _Engine] = {}
-        self._table: dict[str, _Engine] = {}
+        self._engines: dict[int, EngineRecord] = {}
+        self._table: dict[str, EngineRecord] = {}
         # The up engines by index, and each one's load (``len(requests) + extra``) kept
         # current on every start, finish and report, so a placement is a ``min`` over a list
         # of floats. Rebuilt on every state change (rare).
-        self._up: list[_Engine] = []
+        self._up: list[EngineRecord] = []
         self._up_scores: list[float] = []
 
     def _state_changed(self) -> None:
@@ -154,7 +156,8 @@ class EngineSet:
             e.pos = i
         self._up_scores = [len(e.requests) + e.extra for e in self._up]
 
-    def _set_extra(self, e: _Engine, extra: float) -> None:
+    def set_extra(self, e: EngineRecord, extra: float) -> None:
+        """Placement: set engine *e*'s load term beyond its own requests (its score follows)."""
         e.extra = extra
         if e.pos >= 0:
             self._up_scores[e.pos] = len(e.requests) + extra
@@ -172,7 +175,7 @@ class EngineSet:
             raise LocalProtocolError(f"engine_index must be a non-negative int, got {engine_index!r}")
         if engine_index in self._engines:
             raise LocalProtocolError(f"engine {engine_index} is already known")
-        self._engines[engine_index] = _Engine(engine_index)
+        self._engines[engine_index] = EngineRecord(engine_index)
         self._state_changed()
         return Route(engine_index, 0)
 
@@ -384,7 +387,7 @@ class EngineSet:
 
     # ------------------------------------------------------------------ internal (placement)
 
-    def _get(self, engine_index: int) -> _Engine:
+    def _get(self, engine_index: int) -> EngineRecord:
         try:
             return self._engines[engine_index]
         except KeyError:
@@ -392,13 +395,17 @@ class EngineSet:
                 f"engine {engine_index!r} is not known (known: {format_ranks(self._engines)})"
             ) from None
 
-    def _records(self) -> dict[int, _Engine]:
+    def records(self) -> dict[int, EngineRecord]:
+        """Placement: every engine's record, by ``engine_index`` (the set's own dict: read only)."""
         return self._engines
 
-    def _up_records(self) -> tuple[list[_Engine], list[float]]:
+    def up_records(self) -> tuple[list[EngineRecord], list[float]]:
+        """Placement: the ``up`` engines' records and their scores, index-aligned
+        (the set's own lists: read only)."""
         return self._up, self._up_scores
 
-    def _start_on(self, e: _Engine, request_ids: Iterable[str]) -> None:
+    def start_on(self, e: EngineRecord, request_ids: Iterable[str]) -> None:
+        """Placement: *request_ids* start on engine *e* (placed, checked by the caller)."""
         table = self._table
         requests = e.requests
         for rid in request_ids:

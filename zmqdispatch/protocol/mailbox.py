@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import EngineRequestError, RemoteProtocolError, SlowConsumerError
 from ..wire import vllm as wire
@@ -92,7 +92,6 @@ class OutputDelta:
     num_cached_tokens: int | None = None
     ticks: int = 1
     engine_timestamp: float = 0.0
-    _FIELDS: tuple[str, ...]
 
     def __init__(
         self,
@@ -118,6 +117,9 @@ class OutputDelta:
         self.ticks = ticks
         self.engine_timestamp = engine_timestamp
 
+    #: the field names, in constructor order (for replace and repr)
+    _FIELDS: ClassVar[tuple[str, ...]] = tuple(inspect.signature(__init__).parameters)[1:]
+
     def replace(self, **changes: Any) -> OutputDelta:
         """A copy with *changes* applied (field names as in the constructor).
 
@@ -136,8 +138,6 @@ class OutputDelta:
         return f"OutputDelta({inner})"
 
 
-#: OutputDelta's field names, in constructor order (for replace and repr).
-OutputDelta._FIELDS = tuple(inspect.signature(OutputDelta.__init__).parameters)[1:]
 _new_delta = object.__new__
 
 

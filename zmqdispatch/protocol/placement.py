@@ -62,7 +62,7 @@ import attrs
 
 from ..errors import NoEngineAvailableError, RequestRejected
 from ..wire.tokenspeed import LoadSnapshot
-from .engines import EngineSet, EngineState, Route, _Engine, format_ranks
+from .engines import EngineSet, EngineState, Route, EngineRecord, format_ranks
 
 __all__ = ["KV_PRESSURE_WEIGHT", "EngineLoad", "Placement"]
 
@@ -175,12 +175,12 @@ class Placement:
             raise RequestRejected("a placement needs at least one request_id", field="request_id")
         engines = self.engines
         engines.check_new_ids(ids)
-        records = engines._records()
+        records = engines.records()
         if data_parallel_rank is not None:
             e = self._pinned(records, data_parallel_rank, first)
         else:
             e = self._least_loaded()
-        engines._start_on(e, ids)
+        engines.start_on(e, ids)
         return Route(e.index, e.incarnation)
 
     def choose(self) -> int:
@@ -191,7 +191,7 @@ class Placement:
         """
         return self._least_loaded().index
 
-    def _pinned(self, records: dict[int, _Engine], rank: Any, request_id: str) -> _Engine:
+    def _pinned(self, records: dict[int, EngineRecord], rank: Any, request_id: str) -> EngineRecord:
         if type(rank) is not int or rank not in records:
             raise RequestRejected(
                 f"data_parallel_rank {rank!r} is not an engine of this client; valid ranks: "
@@ -204,8 +204,8 @@ class Placement:
             self.engines.check_can_start(rank, request_id)
         return e
 
-    def _least_loaded(self) -> _Engine:
-        ups, scores = self.engines._up_records()
+    def _least_loaded(self) -> EngineRecord:
+        ups, scores = self.engines.up_records()
         if not ups:
             words = self._state_words()
             raise NoEngineAvailableError(
@@ -247,7 +247,7 @@ class Placement:
         reports), counts that are not non-negative ints, or an engine this client has no
         request on (the report is read relative to those; it also voids the previous one).
         """
-        e = self.engines._records().get(engine_index)
+        e = self.engines.records().get(engine_index)
         if e is None or e.state is EngineState.DEAD or e.incarnation != incarnation:
             return False
         if type(num_running) is not int or type(num_waiting) is not int or num_running < 0 or num_waiting < 0:
@@ -269,14 +269,14 @@ class Placement:
             # The report is read relative to this client's requests on the engine; with none
             # there it would outlive its meaning (an idle engine sends no newer one).
             self._reports.pop(engine_index, None)
-            self.engines._set_extra(e, 0.0)
+            self.engines.set_extra(e, 0.0)
             return False
         other = max(0, num_running + num_waiting - own)
         penalty = num_waiting * KV_PRESSURE_WEIGHT * max(0.0, kv - 0.5) if kv is not None and num_waiting else 0.0
         self._reports[engine_index] = _Report(
             incarnation, e.idle_epoch, timestamp, num_running, num_waiting, kv, other, penalty
         )
-        self.engines._set_extra(e, other + penalty)
+        self.engines.set_extra(e, other + penalty)
         return True
 
     def report_scheduler_stats(
@@ -314,7 +314,7 @@ class Placement:
     def loads(self) -> tuple[EngineLoad, ...]:
         """Every engine's load terms, by ``engine_index`` (for metrics and logs)."""
         out = []
-        for idx, e in sorted(self.engines._records().items()):
+        for idx, e in sorted(self.engines.records().items()):
             r = self._reports.get(idx)
             live = r is not None and r.epoch == e.idle_epoch and r.incarnation == e.incarnation
             out.append(

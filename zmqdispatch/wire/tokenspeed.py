@@ -467,7 +467,7 @@ def encode_add(req: TokenizedGenerateReqInput, *, elements: int = REQUEST_ELEMEN
         except _Bad as exc:
             raise LocalProtocolError(f"TokenizedGenerateReqInput.{name}: {exc}") from None
         if name == "sampling_params":
-            body.append(v._to_wire())
+            body.append(v._to_wire())  # noqa: SLF001  (a wire struct's encoding hook, wire.schema's)
         elif name == "session_params" and v is not None:
             body.append(_to_positional(v, "session_params"))
         elif name == "multimodal_inputs":

@@ -498,7 +498,7 @@ def encode_request(req: EngineCoreRequest) -> list[bytes]:
             raise LocalProtocolError(f"{name}: {exc}") from None
         if name == "sampling_params" and v is not None:
             try:
-                parts.append(_pack_omit_defaults_map(v._to_wire()))
+                parts.append(_pack_omit_defaults_map(v._to_wire()))  # noqa: SLF001  (a wire struct's encoding hook, wire.schema's)
             except _Bad as exc:
                 raise LocalProtocolError(f"sampling_params: {exc}") from None
         else:

@@ -427,7 +427,7 @@ def encode_outputs(
             rows,
             _prep(scheduler_stats, aux),
             _k_float(timestamp),
-            None if utility_output is None else utility_output._to_wire(),
+            None if utility_output is None else utility_output._to_wire(),  # noqa: SLF001  (a wire struct's encoding hook, wire.schema's)
             None if finished_requests is None else list(_k_seq(_k_str)(list(finished_requests))),
             _opt_int(wave_complete),
             _opt_int(start_wave),
