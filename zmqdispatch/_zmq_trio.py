@@ -261,6 +261,39 @@ class TrioSocket:
         (msg,) = await self.recv_batch(1)
         return msg
 
+    async def recv_multipart_from(self) -> tuple[list[bytes], int]:
+        """Receive one multipart message and the file descriptor of the
+        connection it came on (libzmq's ``ZMQ_SRCFD``, -1 when unknown): the
+        ``value`` of that connection's monitor ``ACCEPTED`` / ``DISCONNECTED``
+        events, so a ROUTER can tell which peer a closed connection was. For
+        the handshake, not the hot path (it copies each frame once more).
+        Cancellation: atomic, as :meth:`recv_batch`.
+
+        Raises:
+            trio.ClosedResourceError: the socket was closed while waiting.
+        """
+        with self._guard:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            waited = False
+            while True:
+                try:
+                    parts = self._sock.recv_multipart(_NOBLOCK, copy=False)
+                except zmq.Again:
+                    await trio.lowlevel.wait_readable(self._fd)
+                    waited = True
+                    continue
+                except zmq.ZMQError as exc:
+                    raise _translate(exc, self.name) from exc
+                break
+            try:
+                fd = int(parts[0].get(zmq.SRCFD))
+            except zmq.ZMQError:
+                fd = -1
+            frames = [part.bytes for part in parts]
+            if not waited:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return frames, fd
+
     # ------------------------------------------------------------- send
 
     def try_send(self, frames: Sequence[bytes]) -> bool:

@@ -35,7 +35,7 @@ import trio
 import zmq
 
 from . import _ipc, limits
-from ._zmq_trio import HANDSHAKE_FAILED_EVENTS, PeerUnreachable, TrioSocket, ZmqContext
+from ._zmq_trio import HANDSHAKE_FAILED_EVENTS, PeerUnreachable, TrioSocket, ZmqContext, parse_monitor_event
 from .addresses import check_address
 from ._engine_lifecycle import check_version, format_launch, terminate, unwrap
 from ._engine_lifecycle import launch as launch_engine
@@ -575,6 +575,16 @@ class _Pending:
     ready_status: trio.Event = attrs.Factory(trio.Event)
     #: the scope of its handshake task, cancelled when the engine restarts mid-handshake
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    #: its connection to the handshake ROUTER (the fd its HELLO came on; -1: unknown)
+    handshake_fd: int = -1
+    #: the wait of its handshake task, until the machine's next deadline (moved by :meth:`wake`)
+    wait: trio.CancelScope | None = None
+
+    def wake(self) -> None:
+        """Its machine's deadline moved (its handshake connection closed): its
+        task waits until the new one."""
+        if self.wait is not None:
+            self.wait.deadline = self.machine.next_deadline()
 
     def sockets(self) -> list[TrioSocket]:
         return [s for s in (self.monitor, self.out_monitor, self.out, self.inp) if s is not None]
@@ -704,6 +714,11 @@ async def connect_engines(
     # must get the identity.
     sockets = [ctx.socket(zmq.ROUTER, name="handshake", router_mandatory=True, router_handover=True)
                for _ in range(max(1, len(addresses)))]
+    # Each handshake ROUTER's connections (created before bind: no event
+    # missed): an engine whose handshake connection closes before its READY
+    # (it exited or crashed) is dropped after the drop grace, not at the timeout.
+    hs_monitors = ([hs.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, name="handshake-monitor")
+                    for hs in sockets] if config.death_on_disconnect else [])
     process: trio.Process | None = None
     pending = serving.pending  # by engine_index
     max_pending = max(limits.MAX_PENDING_HANDSHAKES, data_parallel_size)
@@ -749,12 +764,19 @@ async def connect_engines(
     async def _engine_handshake(p: _Pending, nursery: trio.Nursery) -> None:
         index = p.engine_index
         try:
-            with trio.fail_after(max(0.0, p.machine.deadline - trio.current_time())):
-                while p.machine.wants_ready_responses:
-                    step = p.machine.input_received(await p.inp.recv_multipart(), trio.current_time())
-                    _log.info("handshake: ready response from engine identity %s on its input socket",
-                              step.identity.hex())
-                await p.ready_status.wait()
+            # Until READY and the ready response, or the machine's next deadline
+            # (the timeout; the grace after its handshake connection closed: p.wake).
+            while True:
+                with trio.move_on_at(p.machine.next_deadline()) as p.wait:
+                    while p.machine.wants_ready_responses:
+                        step = p.machine.input_received(await p.inp.recv_multipart(), trio.current_time())
+                        _log.info("handshake: ready response from engine identity %s on its input socket",
+                                  step.identity.hex())
+                    await p.ready_status.wait()
+                if not p.wait.cancelled_caught:
+                    break
+                p.machine.timer_fired(trio.current_time())  # raises past a deadline
+            p.wait = None
             ((identity, ready),) = p.machine.results()
             check_version(ready, allow_unknown=config.allow_unknown_engine_version)
             resolved = Runtime.resolve(wanted_runtime, ready)
@@ -767,7 +789,7 @@ async def connect_engines(
             if pending.get(index) is p:
                 del pending[index]
             _close_sockets(p.sockets())
-            if isinstance(exc, trio.TooSlowError):
+            if isinstance(exc, EngineHandshakeTimeout):
                 exc = EngineHandshakeTimeout(
                     f"engine {index}: handshake timed out after {config.handshake_timeout} s waiting for "
                     f"{p.machine.stage()}", stage=p.machine.stage())
@@ -815,7 +837,7 @@ async def connect_engines(
         """The handshake ROUTER of one address: its engines' HELLO and READY."""
         while True:
             try:
-                frames = await hs.recv_multipart()
+                frames, fd = await hs.recv_multipart_from()
             except trio.ClosedResourceError:
                 if serving.closed:
                     return  # closed first when the client closes (below)
@@ -860,6 +882,8 @@ async def connect_engines(
                         _close_sockets(p.sockets())
                         raise
                     pending[index] = p
+                    p.handshake_fd = fd
+                    p.machine.peer_connected(fd)
                     _log.info("handshake: HELLO from engine identity %s (%s); sending INIT (input %s, output %s)",
                               identity.hex(), "local" if step.local else "remote", p.input_address,
                               p.output_address)
@@ -881,6 +905,21 @@ async def connect_engines(
                 _log.warning("handshake: identity %s refused: %s", identity.hex(), exc)
                 fail_startup(exc)
 
+    async def watch_handshake_link(monitor: TrioSocket, address: str) -> None:
+        """One handshake ROUTER's connections closing: the handshake under way
+        on that connection (its HELLO's) learns it (``Handshake.peer_disconnected``)."""
+        try:
+            while True:
+                event, fd, _ = parse_monitor_event(await monitor.recv_multipart())
+                if event != zmq.EVENT_DISCONNECTED:
+                    continue
+                for p in list(pending.values()):
+                    if p.handshake_fd == fd and p.handshake_address == address:
+                        p.machine.peer_disconnected(fd, trio.current_time())
+                        p.wake()
+        except trio.ClosedResourceError:
+            return
+
     async def watch_process() -> None:
         assert process is not None
         code = await process.wait()
@@ -889,6 +928,13 @@ async def connect_engines(
                                           "handshake"))
         for m in list(serving.members.values()):
             m.connection.process_exited(process.pid, code)
+
+    def close_handshake() -> None:
+        for hs, monitor in zip(sockets, hs_monitors, strict=False):
+            hs.disable_monitor()
+            monitor.close()
+        for hs in sockets:
+            hs.close()
 
     try:
         bound = [await bind(hs, a, "handshake_address")
@@ -901,6 +947,8 @@ async def connect_engines(
             async with trio.open_nursery() as nursery:
                 for k, (hs, address) in enumerate(zip(sockets, bound, strict=True)):
                     nursery.start_soon(handshake_side, nursery, hs, k * ADDRESS_INDEX_STRIDE, address)
+                for monitor, address in zip(hs_monitors, bound, strict=False):
+                    nursery.start_soon(watch_handshake_link, monitor, address)
                 if process is not None:
                     nursery.start_soon(watch_process)
                 with trio.move_on_after(config.handshake_timeout) as startup_scope:
@@ -922,8 +970,7 @@ async def connect_engines(
                     # address again at once (the mock engine serving clients in turn, a
                     # restarted rank), and its HELLO must wait for the next client, not be
                     # read by this closing one.
-                    for hs in sockets:
-                        hs.close()
+                    close_handshake()
                     for m in serving.members.values():
                         m.connection.close_client()
                     nursery.cancel_scope.cancel()
@@ -933,8 +980,7 @@ async def connect_engines(
         serving.closed = True
         for p in list(pending.values()):
             _close_sockets(p.sockets())
-        for hs in sockets:
-            hs.close()
+        close_handshake()
         try:
             if process is not None:
                 await terminate(process, config.terminate_grace)

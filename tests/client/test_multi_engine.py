@@ -496,8 +496,8 @@ async def test_a_tokenspeed_rank_death_fails_only_its_requests(tmp_path):
             nursery.cancel_scope.cancel()
 
 
-async def test_pending_handshakes_are_capped_and_one_that_dies_is_dropped_and_can_return(tmp_path, monkeypatch,
-                                                                                         caplog):
+async def test_pending_handshakes_are_capped_and_one_that_hangs_is_dropped_at_the_timeout_and_can_return(
+        tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(limits, "MAX_PENDING_HANDSHAKES", 2)
     caplog.set_level(logging.WARNING, logger="zmqdispatch")
     refused = trio.Event()
@@ -519,24 +519,67 @@ async def _capped_handshakes(tmp_path, caplog, refused: trio.Event) -> None:
     with trio.fail_after(GUARD):
         async with ranks_and_client(tmp_path, 1, config=ClientConfig(handshake_timeout=1.0)) as (
                 client, nursery, address):
-            # three engines dial after startup and never say READY (they die mid-handshake)
+            # three engines dial after startup and never say READY (stuck mid-handshake, connected)
             doomed = [await start_rank(nursery, rank_cfg(address, r, faults=(("no-ready", 0),))) for r in (5, 6, 7)]
             await refused.wait()  # the third HELLO arrives after the other two
             assert len(client.pending_handshakes) == 2  # the cap: no third socket pair
             held = list(client._serving.pending.values())
             assert all(not s.closed for p in held for s in p.sockets())
-            for scope in doomed:
-                scope.cancel()
             while client.pending_handshakes:  # dropped at handshake_timeout
                 await client._changed.wait()
             assert all(s.closed for p in held for s in p.sockets())  # their pairs are closed
             assert "handshake timed out" in caplog.text
+            for scope in doomed:
+                scope.cancel()
             assert [s.engine_index for s in client.states()] == [0]
             # the same identity dials again, whole this time: served
             await start_rank(nursery, rank_cfg(address, held[0].engine_index))
             await client.wait_for_engines(2)
             rid_rank = held[0].engine_index
             assert len(await run_one(client, "back", max_tokens=3, data_parallel_rank=rid_rank)) == 3
+
+
+async def test_an_engine_that_dies_mid_handshake_frees_its_slot_at_once_and_its_restart_is_served(
+        tmp_path, monkeypatch, caplog):
+    """Its handshake connection closes before READY (the handshake ROUTER's
+    monitor): the handshake fails after the drop grace, not at handshake_timeout
+    (far beyond GUARD here), its socket pair closes, and the engine dialing
+    again with the same identity gets the slot."""
+    monkeypatch.setattr(limits, "MAX_PENDING_HANDSHAKES", 1)
+    caplog.set_level(logging.INFO, logger="zmqdispatch")
+    hello = trio.Event()
+
+    class HelloWatch(logging.Handler):  # the pending handshake's INFO line is its only sign
+        def emit(self, record: logging.LogRecord) -> None:
+            if "HELLO from engine identity 0500" in record.getMessage():
+                hello.set()
+
+    watch = HelloWatch()
+    logging.getLogger("zmqdispatch").addHandler(watch)
+    try:
+        await _dies_mid_handshake(tmp_path, caplog, hello)
+    finally:
+        logging.getLogger("zmqdispatch").removeHandler(watch)
+
+
+async def _dies_mid_handshake(tmp_path, caplog, hello: trio.Event) -> None:
+    with trio.fail_after(GUARD):
+        async with ranks_and_client(tmp_path, 1, config=ClientConfig(handshake_timeout=100 * GUARD)) as (
+                client, nursery, address):
+            doomed = await start_rank(nursery, rank_cfg(address, 5, faults=(("no-ready", 0),)))
+            await hello.wait()
+            assert client.pending_handshakes == (5,)
+            (held,) = client._serving.pending.values()
+            assert held.handshake_fd >= 0  # the HELLO's connection is known
+            doomed.cancel()  # its process vanishes: the handshake connection closes
+            while client.pending_handshakes:
+                await client._changed.wait()
+            assert all(s.closed for s in held.sockets())
+            assert "closed its handshake connection while the handshake waited for READY" in caplog.text
+            assert [s.engine_index for s in client.states()] == [0]
+            await start_rank(nursery, rank_cfg(address, 5))
+            await client.wait_for_engines(2)
+            assert len(await run_one(client, "back", max_tokens=3, data_parallel_rank=5)) == 3
 
 
 async def test_ranks_serving_clients_in_turn_reach_the_next_client(tmp_path):
