@@ -5,6 +5,7 @@ streak, silence, wedged input)."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -186,9 +187,18 @@ async def test_handshake_timeout_when_ready_never_comes(mock_clock):  # K9a (fak
     d = tempfile.mkdtemp(prefix="zqt-")
     addr = f"ipc://{d}/hs.sock"
     engine = FakeEngine(addr, send_ready=False)
+    # No jump while HELLO and INIT are in flight (a loaded machine can hold
+    # real socket I/O longer than the fixture's 50 ms of idleness): time may
+    # run only once the engine got its INIT and is stalling before READY.
+    mock_clock.autojump_threshold = math.inf
+
+    async def stall_before_ready() -> None:
+        await engine.run_handshake()
+        mock_clock.autojump_threshold = 0.05
+
     try:
         async with trio.open_nursery() as n:
-            n.start_soon(engine.run_handshake)
+            n.start_soon(stall_before_ready)
             t0 = trio.current_time()
             with pytest.raises(EngineHandshakeTimeout) as ei:
                 async with connect(addr, config=ClientConfig(handshake_timeout=5.0)):
