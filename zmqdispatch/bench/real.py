@@ -47,7 +47,7 @@ from typing import Any
 
 from . import _common as common
 
-__all__ = ["REAL_CLIENTS", "smg_executable", "run_real", "paired_ratios", "targets", "format_real"]
+__all__ = ["REAL_CLIENTS", "smg_executable", "run_real", "paired_ratios", "targets", "format_real", "format_sched"]
 
 REAL_CLIENTS = ("zmqdispatch", "vllm", "smg")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -87,6 +87,11 @@ class ServiceEngine:
             [vllm_python, str(scripts / "engine.py"), "--headless", "--handshake-address", handshake_address,
              *args, "--parent-pid", str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        """The engine's first process (EngineCore's parent; its workers descend from it)."""
+        return self.proc.pid
 
     def processes(self) -> dict[str, Any]:
         return common.process_sessions(self.proc.pid)
@@ -215,7 +220,9 @@ def _one_run(settings: Any, model_dir: str, logs: Path, progress: Any, cmd: dict
         try:
             runner.wait_ready()
             progress.describe(label)
-            res: dict[str, Any] = runner.command({**cmd, "round": rnd}, 600)
+            # the runner samples the engine's processes' scheduler accounting (_schedstat)
+            where = {"engine_pid": engine.pid} if engine is not None else {}
+            res: dict[str, Any] = runner.command({**cmd, "round": rnd, **where}, 600)
             if engine is not None:
                 res["engine_processes"] = engine.processes()
         finally:
@@ -366,6 +373,9 @@ def format_real(real: dict[str, Any]) -> str:
                          f"| {_mark(t['separate_deltas_met'])} ({_fmt(t['separate_delta_fraction'], '.1%')}) "
                          f"| {_mark(t['ttft_met'])} ({_fmt(t['ttft_p50_ms'], '.1f')} vs "
                          f"{_fmt(t['ttft_vllm_p50_ms'], '.1f')} ms) |")
+    sched = format_sched(real)
+    if sched:
+        lines += ["", sched]
     cost = real.get("service_vs_launched")
     if cost:
         lines.append("\nTokens/s with the engine as a service over the same with the engine in the client's "
@@ -375,3 +385,59 @@ def format_real(real: dict[str, Any]) -> str:
             lines.append(f"\nIn topology {topology}, no client (AsyncLLM included) delivered 95 % of its tokens "
                          "as deltas of their own.")
     return "\n".join(lines)
+
+
+#: A client thread gets a row of its own in the per-thread table from this share of the client's on-CPU time.
+THREAD_ROW_SHARE = 0.02
+
+
+def format_sched(real: dict[str, Any]) -> str:
+    """The markdown of where each client's time went (``sched`` of the runs,
+    :func:`._schedstat.report`): "" when no run has it."""
+    rows, threads = [], []
+    for topology, by in real["results"].items():
+        for client, r in by.items():
+            s = r["median"].get("sched")
+            if not s:
+                continue
+            c, e, m = s["client"], s["engine"], s.get("machine") or {}
+            rows.append(
+                f"| {topology} | {client} | {_fmt(c['on_cpu_us_per_token'], '.1f')} "
+                f"| {_fmt(c['wait_us_per_token'], '.1f')} | {_fmt(c['wait_us_per_timeslice'], '.0f')} "
+                f"| {_fmt(c['wakeups_per_token'], '.2f')} | {_fmt(c['involuntary_per_token'], '.2f')} "
+                f"| {_fmt(c['wait_share'], '.0%')} | {_fmt(c['cores'], '.2f')} | {_fmt(e['cores'], '.2f')} "
+                f"| {_fmt(e['wait_share'], '.0%')} "
+                f"| {_fmt(m.get('busy_cores'), '.2f')} / {_fmt(m.get('others_cores'), '.2f')} |")
+            total = c["on_cpu_us_per_token"] or 0.0
+            for name, t in s["client_threads"].items():
+                if total and (t["on_cpu_us_per_token"] or 0.0) < THREAD_ROW_SHARE * total:
+                    continue
+                threads.append(
+                    f"| {topology} | {client} | `{name}` | {_fmt(t['on_cpu_us_per_token'], '.1f')} "
+                    f"| {_fmt(t['wait_us_per_token'], '.1f')} | {_fmt(t['wait_us_per_timeslice'], '.0f')} "
+                    f"| {_fmt(t['wakeups_per_token'], '.2f')} | {_fmt(t['involuntary_per_token'], '.2f')} |")
+    if not rows:
+        return ""
+    return "\n".join([
+        "Where the client's time goes: the scheduler's own accounting over the measured window "
+        "(`/proc/PID/task/*/schedstat` and `status`, every thread; medians over the rounds, per token delivered). "
+        "on-CPU: time it ran (the same as client CPU above, from the kernel); run-queue wait: time it was runnable "
+        "but waited for a CPU; per timeslice: that wait divided by the times it was put on a CPU; wakeups: "
+        "voluntary switches (it blocked, then was woken); involuntary: preemptions; waiting share: run-queue wait "
+        "over (wait + on-CPU). Engine: EngineCore and its worker processes summed. Machine: busy cores of the "
+        "whole machine / what the client, its load generator (SMG) and the engine leave of them (other work).",
+        "",
+        "| topology | client | on-CPU µs/token | run-queue wait µs/token | wait µs per timeslice | wakeups/token "
+        "| involuntary/token | runnable time waiting | client cores | engine cores | engine runnable time waiting "
+        "| machine busy / others cores |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        f"Client threads with at least {THREAD_ROW_SHARE:.0%} of the client's on-CPU time (`main`: the thread "
+        "whose id is the pid; others by their kernel name, e.g. libzmq's `ZMQbg/IO/0`; threads of one name summed):",
+        "",
+        "| topology | client | thread | on-CPU µs/token | run-queue wait µs/token | wait µs per timeslice "
+        "| wakeups/token | involuntary/token |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+        *threads,
+    ])

@@ -48,8 +48,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 if TYPE_CHECKING:  # the checker sees the file by its package name
     from . import _common as common
+    from . import _schedstat
 else:
     import _common as common  # (stdlib + pyzmq only; see its docstring)
+    import _schedstat  # (stdlib only)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -169,13 +171,20 @@ async def amain(args: argparse.Namespace, out: TextIO, port: int, smg: subproces
                 logs.append(log)
                 await stream(prompt, max_tokens, log)
 
+            engine_pid = cmd.get("engine_pid") or (engine.pid if engine is not None else None)
+            sched = _schedstat.Window(smg.pid, _schedstat.engine_processes(engine_pid, os.getpid()),
+                                      loadgen_pid=os.getpid())
+            sched.start()
             smg_cpu0 = cpu_seconds(smg.pid)
             cpu0, t0 = time.process_time(), time.monotonic()
             for _ in range(cmd.get("repeats", 1)):
                 await asyncio.gather(*(one(i) for i in range(n)))
             wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-            return common.real_result("smg", args.topology, logs, wall=wall, cpu=cpu_seconds(smg.pid) - smg_cpu0,
-                                      loadgen_cpu_s=cpu, processes=common.process_sessions())
+            raw = sched.finish()
+            result = common.real_result("smg", args.topology, logs, wall=wall, cpu=cpu_seconds(smg.pid) - smg_cpu0,
+                                        loadgen_cpu_s=cpu, processes=common.process_sessions())
+            result["sched"] = _schedstat.report(raw, result["tokens"])
+            return result
 
         # Ready: the first generation that succeeds (SMG answers 503 until its
         # worker is healthy, i.e. until the engine has loaded the model).

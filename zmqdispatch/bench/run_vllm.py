@@ -50,8 +50,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 if TYPE_CHECKING:  # the checker sees the file by its package name
     from . import _common as common
+    from . import _schedstat
 else:
     import _common as common  # (stdlib + pyzmq only; see its docstring)
+    import _schedstat  # (stdlib only)
 
 if TYPE_CHECKING:
     import zmq
@@ -372,12 +374,17 @@ async def amain(args: argparse.Namespace, out: TextIO, loop_name: str) -> None:
                 recv.append(now())
                 tokens.append(len(o.outputs[0].token_ids))
 
+        sched = _schedstat.Window(os.getpid(), _schedstat.engine_processes(cmd.get("engine_pid"), os.getpid()))
+        sched.start()
         cpu0, t0 = time.process_time(), time.monotonic()
         for rep in range(cmd.get("repeats", 1)):
             await asyncio.gather(*(one(rep, i) for i in range(n)))
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-        return common.real_result("vllm", "service" if args.attach else "launched", logs, wall=wall, cpu=cpu,
-                                  processes=common.process_sessions())
+        raw = sched.finish()
+        result = common.real_result("vllm", "service" if args.attach else "launched", logs, wall=wall, cpu=cpu,
+                                    processes=common.process_sessions())
+        result["sched"] = _schedstat.report(raw, result["tokens"])
+        return result
 
     try:
         # Warm the code paths once before anything is measured.

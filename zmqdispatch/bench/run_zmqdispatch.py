@@ -41,7 +41,7 @@ import zmq
 from .. import ClientConfig, EngineClient, connect
 from ..wire import vllm as wire
 from . import _common as common
-from . import many
+from . import _schedstat, many
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = True) -> wire.EngineCoreRequest:
@@ -405,16 +405,21 @@ class Runner:
                     tokens.append(len(d.token_ids))
                     engine_ts.append(d.engine_timestamp)
 
+        sched = _schedstat.Window(os.getpid(), _schedstat.engine_processes(cmd.get("engine_pid"), os.getpid()))
         msgs0 = client.protocol.messages_received
+        sched.start()
         cpu0, t0 = time.process_time(), time.monotonic()
         for rep in range(cmd.get("repeats", 1)):
             async with trio.open_nursery() as nursery:
                 for i in range(n):
                     nursery.start_soon(one, rep, i)
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-        return common.real_result("zmqdispatch", self.topology, logs, wall=wall, cpu=cpu,
-                                  engine_messages=client.protocol.messages_received - msgs0,
-                                  processes=common.process_sessions())
+        raw = sched.finish()
+        result = common.real_result("zmqdispatch", self.topology, logs, wall=wall, cpu=cpu,
+                                    engine_messages=client.protocol.messages_received - msgs0,
+                                    processes=common.process_sessions())
+        result["sched"] = _schedstat.report(raw, result["tokens"])
+        return result
 
 
 async def amain(args: argparse.Namespace, out: TextIO) -> None:
