@@ -21,7 +21,7 @@ import pytest
 
 from zmqdispatch import cli
 from zmqdispatch.bench import _common as common
-from zmqdispatch.bench import harness, real
+from zmqdispatch.bench import _schedstat, harness, real
 
 
 def _log(submitted: float, recv: list[float], tokens: list[int], engine_ts: list[float] | None = None):
@@ -132,6 +132,7 @@ class _FakeEngine:
 
     def __init__(self, python: str, scripts: Path, handshake: str, args: list[str], log_path: Path) -> None:
         _FakeEngine.started.append((handshake, args))
+        self.pid = 1000 + len(_FakeEngine.started)
 
     def processes(self) -> dict:
         return {"pid": 1, "sid": 99, "pgid": 99, "autogroup": None, "descendants": []}
@@ -144,6 +145,7 @@ class _FakeRunner:
     """Answers like a runner: the figures from fixed delivery logs; vLLM slower, SMG slower still."""
 
     runs: ClassVar[list[tuple[str, list[str]]]] = []
+    commands: ClassVar[list[tuple[str, dict]]] = []
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env=None) -> None:
         self.name, self.argv = name, argv
@@ -161,15 +163,28 @@ class _FakeRunner:
         me = {"pid": 2, "sid": 7, "pgid": 7, "autogroup": None,
               "descendants": [] if topology == "service" else [{"pid": 3, "sid": 7, "pgid": 3, "autogroup": None,
                                                                  "name": "python"}]}
-        return common.real_result(self.name, topology, logs, wall=step * k * cmd["repeats"], cpu=0.01,
-                                  processes=me)
+        _FakeRunner.commands.append((topology, cmd))
+        res = common.real_result(self.name, topology, logs, wall=step * k * cmd["repeats"], cpu=0.01,
+                                 processes=me)
+        # the scheduler's accounting: vLLM's client waits twice as long per timeslice as the others
+        wait = 2 if self.name == "vllm" else 1
+        client = {"on_cpu_ns": 10_000_000, "wait_ns": wait * 20_000_000, "timeslices": 100, "voluntary": 80,
+                  "involuntary": 20}
+        io = {"on_cpu_ns": 1_000, "wait_ns": 0, "timeslices": 1, "voluntary": 1, "involuntary": 0}
+        engine = {"on_cpu_ns": 1_800_000_000, "wait_ns": 200_000_000, "timeslices": 50, "voluntary": 0,
+                  "involuntary": 50}
+        raw = {"wall_s": 1.0, "client": client, "client_threads": {"main": client, "ZMQbg/IO/0": io},
+               "client_threads_ended": 0, "engine": engine, "engine_processes": {"VLLM::EngineCor": engine},
+               "engine_pids": 2, "cpus": 2, "machine_busy_s": 1.9}
+        res["sched"] = _schedstat.report(raw, res["tokens"])
+        return res
 
     def close(self, timeout: float = 30.0) -> None:
         pass
 
 
 def test_every_client_runs_in_both_topologies_interleaved_in_alternating_order(tmp_path) -> None:
-    _FakeRunner.runs, _FakeEngine.started, _FakeEngine.stopped = [], [], 0
+    _FakeRunner.runs, _FakeRunner.commands, _FakeEngine.started, _FakeEngine.stopped = [], [], [], 0
     settings = _settings(tmp_path, "--real-rounds", "2", "--real-repeats", "2", "--real-sequences", "3",
                          "--real-max-tokens", "5", "--vllm-python", sys.executable, "--smg", sys.executable)
     doc = real.run_real(settings, "/tmp/model", tmp_path / "logs", _Progress(), clients=["zmqdispatch", "vllm", "smg"],
@@ -206,7 +221,22 @@ def test_every_client_runs_in_both_topologies_interleaved_in_alternating_order(t
         assert t["zmqdispatch"]["tokens_per_s_met"] is True and t["zmqdispatch"]["separate_deltas_met"] is True
         assert t["smg"]["tokens_per_s_met"] is False and t["vllm"]["ttft_met"] is True
     assert doc["service_vs_launched"] == {c: pytest.approx(1.0) for c in ("zmqdispatch", "vllm", "smg")}
+    # the runner is told which engine to account for when it did not start it
+    cmds = _FakeRunner.commands[-12:]
+    assert all(("engine_pid" in cmd) is (topology == "service") for topology, cmd in cmds)
+    assert {cmd["engine_pid"] for topology, cmd in cmds if topology == "service"} == {1001, 1002, 1003, 1004,
+                                                                                      1005, 1006}
+    sched = doc["results"]["service"]["vllm"]["median"]["sched"]
+    assert sched["client"]["wait_us_per_token"] == pytest.approx(40_000 / 30)
+    assert sched["client"]["wait_us_per_timeslice"] == pytest.approx(400.0)
+    assert sched["engine"]["cores"] == pytest.approx(1.8)
     md = real.format_real(doc)
+    assert "Where the client's time goes" in md
+    # tokens 30: on-CPU 10 ms -> 333.3 µs/token; wait 20 ms (vLLM 40 ms) -> 666.7 (1333.3); per timeslice 200 (400)
+    assert "| service | zmqdispatch | 333.3 | 666.7 | 200 | 2.67 | 0.67 | 67% | 0.01 | 1.80 | 10% | 1.90 / 0.09 |" in md
+    assert "| service | vllm | 333.3 | 1333.3 | 400 |" in md
+    # a thread under 2 % of the client's on-CPU time gets no row of its own
+    assert "| launched | smg | `main` | 333.3 |" in md and "| `ZMQbg/IO/0` |" not in md
     assert "| service | zmqdispatch |" in md and "| launched | smg |" in md and "1.100x" in md
     assert "session: zmqdispatch 1.00x, vllm 1.00x, smg 1.00x." in md
     assert json.loads(json.dumps(doc)) == doc

@@ -87,10 +87,13 @@ def parse_switches(status: str) -> tuple[int, int]:
         raise ValueError(f"status: no {exc.args[0]} line") from None
 
 
-def parse_stat(stat: bytes) -> tuple[str, int]:
-    """``/proc/PID/stat`` -> ``(comm, ppid)`` (the name may hold spaces and parentheses)."""
+def parse_stat(stat: bytes) -> tuple[str, int, int]:
+    """``/proc/PID/stat`` -> ``(comm, ppid, cpu_ticks)`` (the name may hold
+    spaces and parentheses; *cpu_ticks*: ``utime + stime`` in ``CLK_TCK``
+    ticks, every thread of the process including those that have ended)."""
     name = stat[stat.index(b"(") + 1:stat.rindex(b")")].decode(errors="replace")
-    return name, int(stat[stat.rindex(b")") + 2:].split()[1])
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return name, int(fields[1]), int(fields[11]) + int(fields[12])
 
 
 def parse_machine_cpu(proc_stat: str) -> tuple[int, int]:
@@ -171,9 +174,18 @@ def report(raw: Mapping[str, Any], tokens: int) -> dict[str, Any]:
     }
     if raw.get("loadgen"):
         out["loadgen"] = {**raw["loadgen"], **_per_token(raw["loadgen"], tokens, wall)}
+    # CPU of threads that ended inside the window (process utime + stime over
+    # the threads' sum; tick-grained, so only a clear excess counts)
+    unseen = {}
+    for key in ("client", "engine"):
+        process_s = raw.get(f"{key}_process_cpu_s")
+        if process_s is not None and wall > 0:
+            unseen[key] = max(0.0, process_s - raw[key]["on_cpu_ns"] / 1e9)
+            out[key]["ended_threads_cores"] = unseen[key] / wall
     busy = raw.get("machine_busy_s")
     if busy is not None and wall > 0:
         ours = sum(out[k]["on_cpu_ns"] for k in ("client", "engine", "loadgen") if k in out) / 1e9
+        ours += sum(unseen.values())
         out["machine"] = {"busy_cores": busy / wall, "others_cores": max(0.0, busy - ours) / wall,
                           "cpus": raw.get("cpus")}
     return out
@@ -219,7 +231,7 @@ def descendants(pid: int) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
-                _, ppid = parse_stat(f.read())
+                _, ppid, _ = parse_stat(f.read())
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
@@ -248,12 +260,17 @@ def read_machine_cpu() -> tuple[int, int] | None:
         return None
 
 
-def _name(pid: int) -> str:
+def _stat(pid: int) -> tuple[str, int, int] | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_stat(f.read())[0]
-    except (OSError, ValueError):
-        return "?"
+            return parse_stat(f.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_cpu(pids: Iterable[int]) -> dict[int, int]:
+    """utime + stime ticks per live pid."""
+    return {p: st[2] for p in pids if (st := _stat(p)) is not None}
 
 
 class Window:
@@ -280,6 +297,7 @@ class Window:
             "engine": {p: read_process(p) for p in self.engine_pids},
             "loadgen": read_process(self.loadgen_pid) if self.loadgen_pid else None,
             "machine": read_machine_cpu(),
+            "process_cpu": _process_cpu([self.client_pid, *self.engine_pids]),
         }
 
     def start(self) -> None:
@@ -299,7 +317,8 @@ class Window:
         for pid in self.engine_pids:
             d, _ = thread_deltas(before["engine"].get(pid, {}), after["engine"].get(pid, {}))
             engine_all += d.values()
-            engine_by_name.setdefault(_name(pid), []).extend(d.values())
+            st = _stat(pid)
+            engine_by_name.setdefault(st[0] if st else "?", []).extend(d.values())
         raw: dict[str, Any] = {
             "wall_s": wall,
             "client": totals(deltas.values()),
@@ -310,6 +329,15 @@ class Window:
             "engine_pids": len(self.engine_pids),
             "cpus": os.cpu_count(),
         }
+        # The process totals count threads that ended inside the window, whose
+        # schedstat is gone: what they add over the threads seen was theirs.
+        pc0, pc1 = before["process_cpu"], after["process_cpu"]
+
+        def process_cpu_s(pids: Iterable[int]) -> float:
+            return float(sum(pc1[p] - pc0[p] for p in pids if p in pc0 and p in pc1)) / CLK_TCK
+
+        raw["client_process_cpu_s"] = process_cpu_s([self.client_pid])
+        raw["engine_process_cpu_s"] = process_cpu_s(self.engine_pids)
         if self.loadgen_pid:
             raw["loadgen"] = totals(thread_deltas(before["loadgen"] or {}, after["loadgen"] or {})[0].values())
         if before["machine"] and after["machine"]:

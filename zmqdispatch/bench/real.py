@@ -405,7 +405,8 @@ def format_sched(real: dict[str, Any]) -> str:
                 f"| {topology} | {client} | {_fmt(c['on_cpu_us_per_token'], '.1f')} "
                 f"| {_fmt(c['wait_us_per_token'], '.1f')} | {_fmt(c['wait_us_per_timeslice'], '.0f')} "
                 f"| {_fmt(c['wakeups_per_token'], '.2f')} | {_fmt(c['involuntary_per_token'], '.2f')} "
-                f"| {_fmt(c['wait_share'], '.0%')} | {_fmt(c['cores'], '.2f')} | {_fmt(e['cores'], '.2f')} "
+                f"| {_fmt(c['wait_share'], '.0%')} | {_fmt(c['cores'], '.2f')} "
+                f"| {_fmt(None if e['cores'] is None else e['cores'] + (e.get('ended_threads_cores') or 0.0), '.2f')} "
                 f"| {_fmt(e['wait_share'], '.0%')} "
                 f"| {_fmt(m.get('busy_cores'), '.2f')} / {_fmt(m.get('others_cores'), '.2f')} |")
             total = c["on_cpu_us_per_token"] or 0.0
@@ -424,7 +425,8 @@ def format_sched(real: dict[str, Any]) -> str:
         "on-CPU: time it ran (the same as client CPU above, from the kernel); run-queue wait: time it was runnable "
         "but waited for a CPU; per timeslice: that wait divided by the times it was put on a CPU; wakeups: "
         "voluntary switches (it blocked, then was woken); involuntary: preemptions; waiting share: run-queue wait "
-        "over (wait + on-CPU). Engine: EngineCore and its worker processes summed. Machine: busy cores of the "
+        "over (wait + on-CPU). Engine: EngineCore and its worker processes summed (cores: with the CPU of "
+        "threads that ended inside the window, from the processes' utime + stime). Machine: busy cores of the "
         "whole machine / what the client, its load generator (SMG) and the engine leave of them (other work).",
         "",
         "| topology | client | on-CPU µs/token | run-queue wait µs/token | wait µs per timeslice | wakeups/token "
