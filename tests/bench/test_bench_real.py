@@ -334,6 +334,15 @@ def test_real_engine_comparison_structure_at_a_tiny_size(tmp_path) -> None:
             assert run["same_session_as_engine"] is (topology == "launched"), run.get("processes")
             if client == "zmqdispatch":
                 assert run["ttft_engine_ms"]["p50"] <= run["ttft_ms"]["p50"]
+            # the scheduler's accounting found the client's threads and the engine's processes
+            sched = run["sched"]
+            assert sched["engine_pids"] >= 2, sched  # EngineCore and its worker at least
+            assert sched["client"]["on_cpu_ns"] > 0 and sched["client"]["timeslices"] > 0
+            assert sched["engine"]["on_cpu_ns"] > 0 and _is_number(sched["engine"]["cores"])
+            assert any(name.startswith("VLLM::") for name in sched["engine_processes"]), sched["engine_processes"]
+            if client != "smg":
+                assert "main" in sched["client_threads"]
     out = tmp_path / "out"
     assert json.loads((out / "real-engine.json").read_text())["real_engine"]["clients"] == clients
-    assert "| service | vllm |" in (out / "real-engine.md").read_text()
+    md = (out / "real-engine.md").read_text()
+    assert "| service | vllm |" in md and "Where the client's time goes" in md
