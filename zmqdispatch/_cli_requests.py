@@ -37,7 +37,8 @@ from .client import EngineClient
 from .errors import RequestRejected, ZmqDispatchError
 from .protocol.deadlines import Deadlines
 
-__all__ = ["LineRejected", "RequestLine", "parse_requests", "run_requests", "split_lines"]
+__all__ = ["LineRejected", "RequestLine", "StdoutUnwritable", "parse_requests", "run_requests", "split_lines",
+           "write_out"]
 
 
 @attrs.frozen
@@ -172,6 +173,27 @@ def one_line(message: str) -> str:
     return " ".join(message.split())
 
 
+class StdoutUnwritable(Exception):
+    """stdout refused a write for another reason than its reader leaving (a
+    full disk, an I/O error, a file closed under us)."""
+
+
+def write_out(stdout: TextIO, text: str) -> None:
+    """Write *text* to *stdout* and flush.
+
+    Raises:
+        BrokenPipeError: the reader went away.
+        StdoutUnwritable: any other refusal, with its cause in the message.
+    """
+    try:
+        stdout.write(text)
+        stdout.flush()
+    except BrokenPipeError:
+        raise
+    except (OSError, ValueError) as exc:  # ValueError: a closed file object
+        raise StdoutUnwritable(f"cannot write to stdout: {exc}") from exc
+
+
 async def run_requests(
     client: EngineClient,
     requests: Sequence[RequestLine],
@@ -202,6 +224,8 @@ async def run_requests(
     Raises:
         BrokenPipeError: *out* was closed (the reader went away); every
             request still running was aborted (its stream left).
+        StdoutUnwritable: *out* refused a write otherwise (a full disk, an
+            I/O error); every request still running was aborted.
 
     Cancellation: every running request's stream is left, which aborts it on
     the engine.
@@ -212,9 +236,10 @@ async def run_requests(
     failed = 0
     rejected = 0
     broken_pipe = False
+    unwritable: StdoutUnwritable | None = None
 
     async def one(item: RequestLine, cancel: trio.CancelScope) -> None:
-        nonlocal failed, rejected, broken_pipe
+        nonlocal failed, rejected, broken_pipe, unwritable
         rid = item.request_id
         try:
             async with limiter:
@@ -224,8 +249,7 @@ async def run_requests(
                     async for index, delta in stream:
                         builder = builders[index]
                         for response in builder.feed(delta):
-                            stdout.write(response_line(rid, response) + "\n")
-                            stdout.flush()
+                            write_out(stdout, response_line(rid, response) + "\n")
                         if builder.stopped_early:  # a stop string matched: stop that sample on the engine
                             stream.abort_sample(index)
         except ZmqDispatchError as exc:
@@ -238,10 +262,15 @@ async def run_requests(
         except BrokenPipeError:
             broken_pipe = True
             cancel.cancel()
+        except StdoutUnwritable as exc:
+            unwritable = exc
+            cancel.cancel()
 
     async with trio.open_nursery() as nursery:
         for item in requests:
             nursery.start_soon(one, item, nursery.cancel_scope)
     if broken_pipe:
         raise BrokenPipeError("stdout was closed")
+    if unwritable is not None:
+        raise unwritable
     return failed, rejected

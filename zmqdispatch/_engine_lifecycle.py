@@ -66,13 +66,29 @@ async def launch(launch: str | Sequence[str], handshake_address: str, stdout: in
         process = await trio.lowlevel.open_process(
             argv,
             stdin=subprocess.DEVNULL,
-            stdout=stdout if stdout is not None else sys.stderr.fileno(),
+            stdout=stdout if stdout is not None else _our_stderr(),
             process_group=0,
         )
     except OSError as exc:
         raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
     _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
     return process
+
+
+def _our_stderr() -> int:
+    """Where a launched engine's output goes by default: our stderr's file
+    descriptor; fd 2 when ``sys.stderr`` has none (replaced by a StringIO, as
+    under Jupyter or pytest's capture, or ``None`` when fd 2 was closed at
+    start); ``/dev/null`` when fd 2 is closed."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        pass
+    try:
+        os.fstat(2)
+    except OSError:
+        return subprocess.DEVNULL
+    return 2
 
 
 def _kill_group(proc: trio.Process) -> None:

@@ -23,7 +23,7 @@ Exit status: 0 the generate completed; 2 the client rejected the request
 (nothing was sent), a flag value or an address is malformed; 3 the engine failed
 (dead, handshake, engine error) or an address cannot be bound; 130 interrupted
 (SIGINT), 143 terminated (SIGTERM): both stop a launched engine first; 141
-stdout closed (the reader went away; the request is aborted); 1 an
+stdout closed or unwritable (the request is aborted); 1 an
 internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback). Failures
 print one line on stderr, no traceback.
 """
@@ -95,7 +95,8 @@ _GENERATE_EPILOG = (
     "  3    the engine failed (dead, handshake, engine-side error), or an address cannot be bound\n"
     "       (--requests: any request failed, each named by its request_id; the others ran)\n"
     "  130  interrupted (SIGINT); 143 terminated (SIGTERM): a launched engine is stopped first\n"
-    "  141  stdout was closed (the reader went away, e.g. `| head -1`): the request was aborted\n"
+    "  141  stdout was closed (the reader went away, e.g. `| head -1`) or cannot be written (a full disk):\n"
+    "       the request was aborted\n"
     "every failure prints one line on stderr"
 )
 
@@ -508,8 +509,7 @@ def _print(resp: object) -> None:
     line = json_format.MessageToJson(
         resp, indent=None, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    _cli_requests.write_out(sys.stdout, line + "\n")
 
 
 def _load_requests(args: argparse.Namespace) -> list[_cli_requests.RequestLine]:
@@ -701,6 +701,8 @@ def _run(args: argparse.Namespace) -> int:
         return bench_harness.main(args)
     if args.command == "mock-engine":
         return _mock_engine(args)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to write the responses
+        return _fail(EXIT_STDOUT_CLOSED, "stdout is closed: nowhere to write the responses; nothing was sent")
     try:
         if args.handshake_address is not None:
             check_address(args.handshake_address, role="--handshake-address", any_port=False)
@@ -737,6 +739,8 @@ def _run(args: argparse.Namespace) -> int:
         # Leaving the stream aborted the request; later writes to stdout go nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return _fail(EXIT_STDOUT_CLOSED, "stdout was closed (the reader went away); the request was aborted")
+    except _cli_requests.StdoutUnwritable as exc:
+        return _fail(EXIT_STDOUT_CLOSED, f"{exc}; the request was aborted")
     except OSError as exc:  # the system refused something (fds, processes) while serving
         return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except _Terminated:

@@ -69,12 +69,14 @@ from .errors import (
     AddressBindError,
     EngineDeadError,
     EngineHandshakeTimeout,
+    RequestRejected,
     UtilityCallTimeout,
 )
 from .metrics import EngineStats
 from .protocol import control
 from .protocol.deadlines import Deadlines, DeadlineScheduler, TimedMailbox, effective_deadlines
 from .protocol.engine import EngineProtocol, LinkState
+from .protocol.engines import format_ranks
 from .protocol.handshake import Handshake
 from .protocol.link import EngineLink, LinkAction, LinkDecision
 from .protocol.mailbox import Mailbox
@@ -733,7 +735,9 @@ class EngineClient:
             RuntimeMismatchError: the request is for the other runtime.
             RequestRejected / ContextLengthError: see
                 :func:`zmqdispatch.protocol.checks.check_request` (vLLM) and
-                :func:`~zmqdispatch.protocol.checks.check_tokenspeed_request`.
+                :func:`~zmqdispatch.protocol.checks.check_tokenspeed_request`;
+                also ``field="data_parallel_rank"`` when the request pins an
+                engine other than this one (its ``engine_index``).
         """
         self.runtime.check_request(
             request,
@@ -741,6 +745,14 @@ class EngineClient:
             vocab_size=self.config.vocab_size,
             max_logprobs=self.config.max_logprobs,
         )
+        pin = getattr(request, "data_parallel_rank", None)
+        if pin is not None and (type(pin) is not int or pin != self.engine_index):
+            raise RequestRejected(
+                f"data_parallel_rank {pin!r} is not an engine of this client; valid ranks: "
+                f"{format_ranks([self.engine_index])}",
+                request_id=self.runtime.request_id(request),
+                field="data_parallel_rank",
+            )
 
     def generate(self, request: EngineRequest, *, deadlines: Deadlines | None = None) -> RequestStream:
         """Validate *request*; return its stream (use ``async with``).

@@ -407,6 +407,7 @@ class SampleStream:
         self._retired: set[int] = set()
         self._cm: Any = None  # the running _run() context while entered
         self._entered = False
+        self._aborted = False  # abort() / aclose() ended live samples: reading again raises
 
     def __repr__(self) -> str:
         return f"<SampleStream n={len(self._streams)} live={sorted(self._live)} error={self._error!r}>"
@@ -433,12 +434,17 @@ class SampleStream:
 
     def abort(self) -> None:
         """Abort every live sample in one batched ABORT (synchronous,
-        idempotent, never raises); iteration then ends."""
+        idempotent, never raises). If a sample was still live, reading again
+        raises ``RequestStreamClosed`` (deltas not yet read are dropped), as
+        for :class:`RequestStream`; after every sample's final delta it is a
+        no-op."""
+        if self._live:
+            self._aborted = True
         self._abort_live()
 
     async def aclose(self) -> None:
         """:meth:`abort`, then a checkpoint."""
-        self._abort_live()
+        self.abort()
         await trio.lowlevel.checkpoint()
 
     def _abort_live(self, *, drain: bool = False) -> None:
@@ -535,11 +541,16 @@ class SampleStream:
 
         Raises:
             trio.EndOfChannel: every sample finished.
+            RequestStreamClosed: :meth:`abort` ended samples that were live.
             LocalProtocolError: the stream was not entered with ``async with``.
             the first sample's error (see the class).
         """
         if not self._entered:
             raise LocalProtocolError("enter the sample stream first (`async with client.generate_samples(...)`)")
+        if self._aborted:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            ids = self.request_ids
+            raise RequestStreamClosed(f"samples {ids!r}: stream was aborted", request_id=ids[0])
         try:
             return await self._recv.receive()
         except trio.EndOfChannel:

@@ -350,3 +350,24 @@ async def test_spawned_engine_that_exits_during_handshake_is_reported():
             async with connect(launch=[sys.executable, "-c", "raise SystemExit(3)"],
                                config=ClientConfig(handshake_timeout=30)):
                 pass  # pragma: no cover
+
+
+def test_a_launched_engine_writes_to_fd_2_when_sys_stderr_has_no_file(monkeypatch):
+    import io
+    import subprocess
+
+    from zmqdispatch import _engine_lifecycle
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # Jupyter, pytest's capture
+    assert _engine_lifecycle._our_stderr() == 2
+    monkeypatch.setattr(sys, "stderr", None)  # the interpreter started with fd 2 closed
+    assert _engine_lifecycle._our_stderr() in (2, subprocess.DEVNULL)
+
+
+async def test_connect_launch_works_when_sys_stderr_is_a_stringio(monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with trio.fail_after(GUARD + 30):
+        async with connect(launch=mock_argv(), config=ClientConfig(handshake_timeout=30)) as client:
+            assert client.is_alive

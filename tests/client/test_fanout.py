@@ -361,3 +361,38 @@ async def test_closing_a_sample_that_finished_unread_never_aborts_a_newer_reques
                     assert [d.token_ids async for d in other] == [[7]]
             # leaving the parent aborted only the live sample p-1
             assert await engine.receive_abort() == ("p-1",)
+
+
+async def test_reading_a_sample_stream_after_abort_raises_even_with_deltas_buffered():
+    from zmqdispatch import RequestStreamClosed
+
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            async with client.generate_samples(children(3)) as ps:
+                for _ in range(3):
+                    await engine.receive_add()
+                await engine.send_outputs([out("p-0", [1]), out("p-1", [2]), out("p-2", [3])])
+                while ps._recv.statistics().current_buffer_used < 3:  # the three deltas wait, unread
+                    await trio.sleep(0.001)
+                ps.abort()
+                with pytest.raises(RequestStreamClosed, match="aborted"):
+                    await ps.receive()
+                with pytest.raises(RequestStreamClosed):
+                    async for _ in ps:
+                        pass  # pragma: no cover
+            assert sorted(await engine.receive_abort()) == ["p-0", "p-1", "p-2"]
+
+
+async def test_abort_after_every_final_delta_is_a_no_op_and_iteration_just_ends():
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            async with client.generate_samples(children(2)) as ps:
+                for _ in range(2):
+                    await engine.receive_add()
+                await engine.send_outputs([out("p-0", [1], wire.FinishReason.LENGTH),
+                                           out("p-1", [2], wire.FinishReason.LENGTH)])
+                got = [index async for index, _ in ps]
+                ps.abort()
+                assert sorted(got) == [0, 1]
+                with pytest.raises(trio.EndOfChannel):
+                    await ps.receive()

@@ -115,3 +115,21 @@ async def test_a_malformed_launch_command_is_refused_before_anything_is_bound(la
     with pytest.raises(ValueError, match="launch"):
         async with connect("tcp://127.0.0.1:0", launch=launch):
             pass  # pragma: no cover
+
+
+async def test_a_single_engine_client_refuses_a_pin_to_another_engine():
+    import attrs
+
+    from zmqdispatch import RequestRejected
+
+    async with fake_pair() as (engine, client):
+        with trio.fail_after(GUARD):
+            assert client.engine_index == 0
+            for pin in (1, 5):
+                with pytest.raises(RequestRejected, match=r"valid ranks: \[?0") as info:
+                    client.generate(attrs.evolve(make_request("p"), data_parallel_rank=pin))
+                assert info.value.field == "data_parallel_rank"
+            # nothing was sent; a pin to this engine is served
+            async with client.generate(attrs.evolve(make_request("ok"), data_parallel_rank=0)):
+                add = await engine.receive_add()
+            assert add.request_id == "ok" and add.data_parallel_rank == 0

@@ -4,6 +4,7 @@ exit 1 with one line; ``--version`` and ``--help`` say what they should."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -188,3 +189,28 @@ def test_a_reader_that_goes_away_is_exit_141_with_one_line():
     assert p.wait(timeout=60) == 141
     err = p.stderr.read()
     assert "Traceback" not in err and err.count("\n") == 1 and "stdout was closed" in err
+
+
+def test_stdout_closed_at_start_is_exit_141_before_anything_starts():
+    p = subprocess.run([sys.executable, "-m", "zmqdispatch", "generate", *PROMPT], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, env=ENV, timeout=60,
+                       preexec_fn=lambda: os.close(1))  # `>&-`
+    assert p.returncode == 141
+    assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1 and "stdout is closed" in p.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("many", [False, True])
+def test_a_stdout_that_refuses_writes_is_exit_141_naming_the_cause(many, tmp_path):
+    args = ["generate", *PROMPT]
+    stdin = None
+    if many:
+        args = ["generate", "--requests", "-"]
+        stdin = "\n".join(json.dumps({"request_id": f"r{i}", "tokenized": {"input_ids": [1, 2, 3]},
+                                      "sampling_params": {"max_tokens": 4}}) for i in range(3)) + "\n"
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "zmqdispatch", *args], stdout=full, stderr=subprocess.PIPE,
+                           input=stdin, text=True, env=ENV, timeout=60)
+    assert p.returncode == 141, p.stderr
+    assert "Traceback" not in p.stderr and "internal error" not in p.stderr
+    assert "cannot write to stdout" in p.stderr and "No space left" in p.stderr
