@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+from typing import Any
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -80,6 +81,29 @@ async def run_one(client, rid: str, max_tokens: int = 4, **kw: object) -> list[i
     return tokens
 
 
+async def run_recording(client, requests: list[Any]) -> tuple[dict[str, int], dict[str, object]]:
+    """Run *requests* at once, each read to its end; return the engine each
+    was placed on and its outcome ("done", or the ``EngineDeadError`` it raised)."""
+    outcome: dict[str, object] = {}
+    where: dict[str, int] = {}
+
+    async def go(request: Any) -> None:
+        rid = client.runtime.request_id(request)
+        try:
+            async with client.generate(request) as stream:
+                where[rid] = client.engine_of(rid)
+                async for _ in stream:
+                    pass
+            outcome[rid] = "done"
+        except EngineDeadError as exc:
+            outcome[rid] = exc
+
+    async with trio.open_nursery() as nursery:
+        for request in requests:
+            nursery.start_soon(go, request)
+    return where, outcome
+
+
 async def test_requests_spread_over_n_ranks_with_the_same_tokens(tmp_path):
     with trio.fail_after(GUARD):
         async with ranks_and_client(tmp_path, 3) as (client, _, _):
@@ -118,22 +142,7 @@ async def test_one_rank_dies_mid_stream_only_its_requests_fail(tmp_path):
         # rank 1 sends ENGINE_CORE_DEAD at its 20th step and exits; rank 0 goes on
         async with ranks_and_client(tmp_path, 2, faults={1: (("sentinel", 20),)}, step=0.002,
                                     rng=random.Random(0)) as (client, _, _):
-            outcome: dict[str, object] = {}
-            where: dict[str, int] = {}
-
-            async def go(rid: str) -> None:
-                try:
-                    async with client.generate(make_request(rid, max_tokens=60)) as stream:
-                        where[rid] = client.engine_of(rid)
-                        async for _ in stream:
-                            pass
-                    outcome[rid] = "done"
-                except EngineDeadError as exc:
-                    outcome[rid] = exc
-
-            async with trio.open_nursery() as nursery:
-                for i in range(4):
-                    nursery.start_soon(go, f"r{i}")
+            where, outcome = await run_recording(client, [make_request(f"r{i}", max_tokens=60) for i in range(4)])
             on1 = [r for r, e in where.items() if e == 1]
             on0 = [r for r, e in where.items() if e == 0]
             assert len(on0) == len(on1) == 2
@@ -368,22 +377,7 @@ async def test_independent_engines_on_two_handshake_addresses_both_rank_0(tmp_pa
                 # both serve: a pin to each, and an unpinned pair spreads over both
                 assert len(await run_one(client, "pa", max_tokens=2, data_parallel_rank=0)) == 2
                 assert len(await run_one(client, "pb", max_tokens=2, data_parallel_rank=second)) == 2
-                outcome: dict[str, object] = {}
-                where: dict[str, int] = {}
-
-                async def go(rid: str) -> None:
-                    try:
-                        async with client.generate(make_request(rid, max_tokens=60)) as stream:
-                            where[rid] = client.engine_of(rid)
-                            async for _ in stream:
-                                pass
-                        outcome[rid] = "done"
-                    except EngineDeadError as exc:
-                        outcome[rid] = exc
-
-                async with trio.open_nursery() as inner:
-                    for i in range(2):
-                        inner.start_soon(go, f"r{i}")
+                where, outcome = await run_recording(client, [make_request(f"r{i}", max_tokens=60) for i in range(2)])
                 assert sorted(where.values()) == [0, second]
                 for rid, engine in where.items():
                     if engine == 0:
@@ -466,22 +460,8 @@ async def test_a_tokenspeed_rank_death_fails_only_its_requests(tmp_path):
             await start_rank(nursery, ts_rank_cfg(address, 0, step_interval=0.002))
             await start_rank(nursery, ts_rank_cfg(address, 1, step_interval=0.002, faults=(("sentinel", 20),)))
             async with connect_engines(address, data_parallel_size=2, rng=random.Random(0)) as client:
-                outcome: dict[str, object] = {}
-                where: dict[str, int] = {}
-
-                async def go(rid: str) -> None:
-                    try:
-                        async with client.generate(make_ts_request(rid, max_new_tokens=60)) as stream:
-                            where[rid] = client.engine_of(rid)
-                            async for _ in stream:
-                                pass
-                        outcome[rid] = "done"
-                    except EngineDeadError as exc:
-                        outcome[rid] = exc
-
-                async with trio.open_nursery() as inner:
-                    for i in range(4):
-                        inner.start_soon(go, f"t{i}")
+                requests = [make_ts_request(f"t{i}", max_new_tokens=60) for i in range(4)]
+                where, outcome = await run_recording(client, requests)
                 assert sorted(where.values()) == [0, 0, 1, 1]
                 for rid, engine in where.items():
                     if engine == 0:
