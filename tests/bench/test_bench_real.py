@@ -128,10 +128,13 @@ class _Progress:
 
 class _FakeEngine:
     started: ClassVar[list[tuple[str, list[str]]]] = []
+    nice: ClassVar[list[int | None]] = []
     stopped = 0
 
-    def __init__(self, python: str, scripts: Path, handshake: str, args: list[str], log_path: Path) -> None:
+    def __init__(self, python: str, scripts: Path, handshake: str, args: list[str], log_path: Path, *,
+                 autogroup_nice: int | None = None) -> None:
         _FakeEngine.started.append((handshake, args))
+        _FakeEngine.nice.append(autogroup_nice)
         self.pid = 1000 + len(_FakeEngine.started)
 
     def processes(self) -> dict:
@@ -186,7 +189,8 @@ class _FakeRunner:
 def test_every_client_runs_in_both_topologies_interleaved_in_alternating_order(tmp_path) -> None:
     _FakeRunner.runs, _FakeRunner.commands, _FakeEngine.started, _FakeEngine.stopped = [], [], [], 0
     settings = _settings(tmp_path, "--real-rounds", "2", "--real-repeats", "2", "--real-sequences", "3",
-                         "--real-max-tokens", "5", "--vllm-python", sys.executable, "--smg", sys.executable)
+                         "--real-max-tokens", "5", "--vllm-python", sys.executable, "--smg", sys.executable,
+                         "--real-topologies", "launched", "service")
     doc = real.run_real(settings, "/tmp/model", tmp_path / "logs", _Progress(), clients=["zmqdispatch", "vllm", "smg"],
                         scripts=Path("/scripts"), smg="/bin/smg", runner_cls=_FakeRunner, engine_cls=_FakeEngine)
     order = [(name, "service" if ("--attach" in argv or "--worker-url" in argv) else "launched")
@@ -246,7 +250,8 @@ def test_a_failed_run_is_kept_as_an_error_and_the_rest_goes_on(tmp_path, monkeyp
     monkeypatch.setenv("FAKE_SMG", "broken")
     _FakeRunner.runs, _FakeEngine.started, _FakeEngine.stopped = [], [], 0
     settings = _settings(tmp_path, "--real-rounds", "1", "--real-repeats", "1", "--real-sequences", "2",
-                         "--real-max-tokens", "3", "--vllm-python", sys.executable)
+                         "--real-max-tokens", "3", "--vllm-python", sys.executable,
+                         "--real-topologies", "launched", "service")
     doc = real.run_real(settings, "/m", tmp_path / "logs", _Progress(), clients=["zmqdispatch", "vllm", "smg"],
                         scripts=Path("/s"), smg="/bin/smg", runner_cls=_FakeRunner, engine_cls=_FakeEngine)
     assert "smg exited" in doc["results"]["service"]["smg"]["median"]["error"]
@@ -264,6 +269,37 @@ def test_topologies_and_clients_can_be_chosen(tmp_path) -> None:
     doc = real.run_real(settings, "/m", tmp_path / "logs", _Progress(), clients=settings.real_clients,
                         scripts=Path("/s"), smg=None, runner_cls=_FakeRunner, engine_cls=_FakeEngine)
     assert list(doc["results"]) == ["service"] and list(doc["results"]["service"]) == ["zmqdispatch", "vllm"]
+
+
+def test_service_niced_lowers_the_engine_autogroup_and_is_reported_under_its_own_name(tmp_path) -> None:
+    _FakeRunner.runs, _FakeEngine.started, _FakeEngine.nice = [], [], []
+    settings = _settings(tmp_path, "--real-rounds", "1", "--real-repeats", "1", "--real-sequences", "1",
+                         "--real-max-tokens", "2", "--vllm-python", sys.executable)
+    assert settings.real_topologies == ["launched", "service", "service-niced"]  # the default: all three
+    doc = real.run_real(settings, "/m", tmp_path / "logs", _Progress(), clients=["zmqdispatch", "vllm"],
+                        scripts=Path("/s"), smg=None, runner_cls=_FakeRunner, engine_cls=_FakeEngine)
+    assert _FakeEngine.nice == [None, None, common.SERVICE_AUTOGROUP_NICE, common.SERVICE_AUTOGROUP_NICE]
+    r = doc["results"]["service-niced"]["zmqdispatch"]
+    assert r["rounds"][0]["topology"] == "service-niced" and r["median"]["tokens"] == 2
+    assert "| service-niced | zmqdispatch |" in real.format_real(doc)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="kernel without CONFIG_SCHED_AUTOGROUP")
+def test_a_service_engine_gets_its_own_session_and_the_autogroup_nice_asked_for(tmp_path) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "engine.py").write_text("import time\ntime.sleep(60)\n")
+    engine = real.ServiceEngine(sys.executable, scripts, "ipc:///nowhere", [], tmp_path / "engine.log",
+                                autogroup_nice=7)
+    try:
+        procs = engine.processes()
+        assert procs["sid"] == engine.pid != os.getsid(0)
+        assert procs["autogroup"].endswith(" nice 7")
+        with open("/proc/self/autogroup") as f:
+            assert f.read().split()[0] != procs["autogroup"].split()[0]
+    finally:
+        engine.stop(timeout=5)
+    assert engine.proc.returncode is not None
 
 
 def test_targets_say_when_no_client_keeps_tokens_apart() -> None:

@@ -16,7 +16,8 @@ progress bar and the PNG). Processes of one run::
     zmqdispatch bench --real-engine (real.py)   one run at a time, a fresh real engine each:
      +- runner zmqdispatch / vllm / smg (run_smg.py: `smg launch` + an HTTP load generator)
      |    +- real EngineCore (topology "launched": in the runner's session)
-     +- real EngineCore, engine.py --headless (topology "service": a session of its own)
+     +- real EngineCore, engine.py --headless (topology "service": a session of its own;
+                                               "service-niced": the same, its autogroup at nice 10)
 
 Modules:
 

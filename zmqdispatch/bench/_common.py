@@ -442,8 +442,12 @@ def rss_result(client: str, cell: dict[str, Any], before: int, after: int, strea
 #: ``launched``: started by the client, in the client's session (zmqdispatch's
 #: ``connect(launch=...)``, AsyncLLM's own engine start, SMG's runner starting it);
 #: ``service``: started apart in a session of its own (``setsid``, as ``vllm serve
-#: --headless`` is deployed), the client attaching to it.
-TOPOLOGIES = ("launched", "service")
+#: --headless`` is deployed), the client attaching to it; ``service-niced``: the
+#: same with the engine's autogroup at nice :data:`SERVICE_AUTOGROUP_NICE`
+#: (``/proc/<pid>/autogroup``, what ``docs/deployment.md`` recommends).
+TOPOLOGIES = ("launched", "service", "service-niced")
+#: The nice value ``service-niced`` writes to the engine session's autogroup.
+SERVICE_AUTOGROUP_NICE = 10
 
 
 class StreamLog:

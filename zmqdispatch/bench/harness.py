@@ -844,7 +844,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="generations measured back to back per run (each: --real-sequences at once)")
     p.add_argument("--real-topologies", nargs="+", choices=common.TOPOLOGIES, default=list(common.TOPOLOGIES),
                    help="launched: the client starts the engine in its session; service: the engine runs in a "
-                        "session of its own, the client attaches")
+                        "session of its own, the client attaches; service-niced: the same with the engine's "
+                        f"autogroup at nice {common.SERVICE_AUTOGROUP_NICE}")
     p.add_argument("--real-clients", nargs="+", choices=real_mod.REAL_CLIENTS, default=list(real_mod.REAL_CLIENTS),
                    help="smg is skipped with a message when not installed")
     p.add_argument("--smg", help="the smg executable (default: $ZMQD_SMG or scripts/install_smg.sh's venv)")

@@ -111,8 +111,10 @@ def plot_real(doc: dict[str, Any], path: Path | str) -> Path:
                 ax.plot([x] * len(points), points, ".", color="k", markersize=3, zorder=3)
             ax.bar(xs, heights, width, color=color, alpha=0.8, label=_LABEL.get(client, client))
         ax.set_xticks(range(len(topologies)))
-        ax.set_xticklabels([{"launched": "engine in the client's session",
-                             "service": "engine in a session of its own"}.get(t, t) for t in topologies], fontsize=8)
+        ax.set_xticklabels([{"launched": "engine in the\nclient's session",
+                             "service": "engine in a\nsession of its own",
+                             "service-niced": "its own session,\nautogroup nice 10"}.get(t, t) for t in topologies],
+                           fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)

@@ -1,4 +1,4 @@
-"""``zmqdispatch bench --real-engine``: clients of a real vLLM EngineCore, in two topologies.
+"""``zmqdispatch bench --real-engine``: clients of a real vLLM EngineCore, in three topologies.
 
 Clients: ``zmqdispatch`` (:mod:`.run_zmqdispatch`), ``vllm`` (vLLM's own
 ``AsyncLLM``, ``run_vllm.py``) and, where ``scripts/install_smg.sh`` installed
@@ -18,6 +18,11 @@ Topologies (:data:`._common.TOPOLOGIES`):
   client's handshake address (zmqdispatch: ``connect(address)``; AsyncLLM:
   ``client_addresses``, the runner answering the handshake; SMG: the port it
   derives from its worker URL).
+- ``service-niced``: as ``service``, and the harness writes
+  :data:`._common.SERVICE_AUTOGROUP_NICE` to the engine's
+  ``/proc/<pid>/autogroup`` right after starting it (the session's scheduling
+  group at a lower weight, as ``docs/deployment.md`` recommends; needs no
+  privilege).
 
 With Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``)
 a session is a scheduling group: in ``service`` the busy-polling engine and the
@@ -77,16 +82,25 @@ def engine_args(model_dir: str, sequences: int) -> list[str]:
 
 
 class ServiceEngine:
-    """A real engine started apart from its client, in a session of its own."""
+    """A real engine started apart from its client, in a session of its own;
+    with *autogroup_nice*, that session's autogroup gets this nice value (0-19:
+    a lower weight; :class:`OSError` if ``/proc/<pid>/autogroup`` refuses it)."""
 
     def __init__(self, vllm_python: str, scripts: Path, handshake_address: str, args: list[str],
-                 log_path: Path) -> None:
+                 log_path: Path, *, autogroup_nice: int | None = None) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [vllm_python, str(scripts / "engine.py"), "--headless", "--handshake-address", handshake_address,
              *args, "--parent-pid", str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, start_new_session=True)
+        if autogroup_nice is not None:
+            try:  # the session exists once Popen returns; the workers it starts later join it
+                with open(f"/proc/{self.proc.pid}/autogroup", "w") as f:
+                    f.write(str(autogroup_nice))
+            except OSError:
+                self.stop()
+                raise
 
     @property
     def pid(self) -> int:
@@ -207,14 +221,16 @@ def _one_run(settings: Any, model_dir: str, logs: Path, progress: Any, cmd: dict
     name = f"real-round{rnd + 1}-{client}-{topology}"
     try:
         progress.describe(f"{label}: starting an engine")
-        if topology == "service":
+        if topology != "launched":
             if client == "smg":
                 attach = sockets.ipc(f"smg-r{rnd + 1}")
                 handshake = f"tcp://127.0.0.1:{common.smg_handshake_port(attach)}"
             else:
                 attach = handshake = sockets.ipc(f"hs-r{rnd + 1}-{client}.sock")
+            nice = common.SERVICE_AUTOGROUP_NICE if topology == "service-niced" else None
             engine = engine_cls(str(settings.vllm_python), scripts, handshake,
-                                   engine_args(model_dir, settings.real_sequences), logs / f"{name}-engine.log")
+                                engine_args(model_dir, settings.real_sequences), logs / f"{name}-engine.log",
+                                autogroup_nice=nice)
         runner = runner_cls(client, _runner_argv(client, topology, settings, model_dir, attach, scripts, smg),
                             logs / f"{name}.log", env=settings.runner_env())
         try:
@@ -233,6 +249,7 @@ def _one_run(settings: Any, model_dir: str, logs: Path, progress: Any, cmd: dict
         if engine is not None:
             engine.stop()
     res["round"] = rnd + 1
+    res["topology"] = topology  # a runner knows "attached" or "launched", not the engine's autogroup
     res["same_session_as_engine"] = _same_session(res)
     return res
 
@@ -318,7 +335,9 @@ def format_real(real: dict[str, Any]) -> str:
         f"{real['rounds']} round{'' if real['rounds'] == 1 else 's'} (autogroup scheduling "
         f"{ {True: 'on', False: 'off', None: 'unknown'}[real.get('autogroup_enabled')] }). "
         "launched: the client starts the engine, which stays in the client's session; "
-        "service: the engine runs in a session of its own (setsid) and the client attaches.",
+        "service: the engine runs in a session of its own (setsid) and the client attaches"
+        + ("; service-niced: the same, the engine session's autogroup at nice "
+           f"{common.SERVICE_AUTOGROUP_NICE} (/proc/PID/autogroup)." if "service-niced" in real["results"] else "."),
         "",
         "| topology | client | tokens/s | × AsyncLLM, round by round | TTFT p50 / p99 ms | ITL p50 / p99 ms "
         "| engine-timestamp TTFT p50 / ITL p99 ms | longest gap ms | deliveries per stream | tokens as own delta "
