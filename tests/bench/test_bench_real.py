@@ -347,7 +347,7 @@ def _is_number(v: object) -> bool:
 @pytest.mark.real_engine
 @pytest.mark.slow
 def test_real_engine_comparison_structure_at_a_tiny_size(tmp_path) -> None:
-    """One round, every available client in both topologies on the real engine (a few minutes)."""
+    """One round, every available client in every topology on the real engine (a few minutes)."""
     if harness.vllm_python() is None:
         msg = "real vLLM not installed: run scripts/install_real_vllm.sh (or set ZMQD_VLLM_PYTHON)"
         if os.environ.get("ZMQD_REQUIRE_REAL_ENGINE") == "1":
@@ -360,7 +360,8 @@ def test_real_engine_comparison_structure_at_a_tiny_size(tmp_path) -> None:
     real_doc = doc["real_engine"]
     clients = ["zmqdispatch", "vllm"] + (["smg"] if settings.smg else [])
     assert real_doc["clients"] == clients, (real_doc.get("skipped_clients"), time.monotonic() - t0)
-    for topology in ("launched", "service"):
+    assert real_doc["topologies"] == ["launched", "service", "service-niced"]
+    for topology in real_doc["topologies"]:
         for client in clients:
             (run,) = real_doc["results"][topology][client]["rounds"]
             assert "error" not in run, run
@@ -368,6 +369,9 @@ def test_real_engine_comparison_structure_at_a_tiny_size(tmp_path) -> None:
             assert _is_number(run["tokens_per_s"]) and _is_number(run["ttft_ms"]["p50"])
             assert 0 <= run["separate_delta_fraction"] <= 1 and run["deliveries_per_stream"]["max"] <= 16
             assert run["same_session_as_engine"] is (topology == "launched"), run.get("processes")
+            if topology != "launched":  # the engine's session: niced only in service-niced
+                nice = run["engine_processes"]["autogroup"].split()[-1]
+                assert nice == (str(common.SERVICE_AUTOGROUP_NICE) if topology == "service-niced" else "0"), run
             if client == "zmqdispatch":
                 assert run["ttft_engine_ms"]["p50"] <= run["ttft_ms"]["p50"]
             # the scheduler's accounting found the client's threads and the engine's processes
