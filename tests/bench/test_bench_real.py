@@ -302,6 +302,64 @@ def test_a_service_engine_gets_its_own_session_and_the_autogroup_nice_asked_for(
     assert engine.proc.returncode is not None
 
 
+@pytest.mark.parametrize("flag, value, limit", [
+    ("--rounds", "0", "at least 1"), ("--seconds", "0", "above 0"), ("--real-rounds", "0", "at least 1"),
+    ("--real-repeats", "-1", "at least 1"), ("--real-sequences", "0", "at least 1"),
+    ("--real-max-tokens", "252", "1 to 251"), ("--real-max-tokens", "0", "1 to 251"),
+    ("--concurrency", "0", "at least 1 each"),
+])
+def test_a_count_out_of_range_is_refused_naming_the_option(tmp_path, flag: str, value: str, limit: str) -> None:
+    with pytest.raises(ValueError, match=f"^{flag} .*expected {limit}"):
+        _settings(tmp_path, flag, value)
+    assert _settings(tmp_path, "--real-max-tokens", "251").real_max_tokens == 251
+
+
+def test_the_cli_reports_a_bad_count_in_one_line_with_exit_2(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "zmqdispatch", "bench", "--cells", "none", "--real-engine",
+                        "--real-rounds", "0", "--output-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "zmqdispatch bench: --real-rounds 0: expected at least 1"
+
+
+def test_a_topology_or_client_named_twice_runs_once(tmp_path) -> None:
+    s = _settings(tmp_path, "--real-topologies", "service", "service", "launched", "--real-clients", "vllm",
+                  "vllm", "--clients", "raw", "raw")
+    assert s.real_topologies == ["service", "launched"] and s.real_clients == ["vllm"] and s.clients == ["raw"]
+
+
+def test_service_niced_is_not_run_where_an_autogroup_nice_cannot_apply(tmp_path, monkeypatch) -> None:
+    _FakeRunner.runs, _FakeEngine.started, _FakeEngine.nice = [], [], []
+    monkeypatch.setattr(real, "_autogroup_enabled", lambda: False)
+    settings = _settings(tmp_path, "--real-rounds", "1", "--real-repeats", "1", "--real-sequences", "1",
+                         "--real-max-tokens", "2", "--vllm-python", sys.executable)
+    doc = real.run_real(settings, "/m", tmp_path / "logs", _Progress(), clients=["zmqdispatch", "vllm"],
+                        scripts=Path("/s"), smg=None, runner_cls=_FakeRunner, engine_cls=_FakeEngine)
+    assert doc["topologies"] == ["launched", "service"] and common.SERVICE_AUTOGROUP_NICE not in _FakeEngine.nice
+    assert "sched_autogroup_enabled is 0" in doc["skipped_topologies"]["service-niced"]
+    assert "Topology service-niced not run: autogroup scheduling is off" in real.format_real(doc)
+
+
+def test_an_autogroup_nice_the_kernel_refuses_names_the_file_and_stops_the_engine(tmp_path) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "engine.py").write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(OSError, match=r"cannot set nice 99 in /proc/\d+/autogroup"):
+        real.ServiceEngine(sys.executable, scripts, "ipc:///nowhere", [], tmp_path / "engine.log", autogroup_nice=99)
+    assert not any(p.name == "engine.py" for p in _children())
+
+
+def _children() -> list[Path]:
+    """The command-line scripts of this process's live children."""
+    out: list[Path] = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                out.extend(Path(a) for a in (d / "cmdline").read_bytes().decode().split("\0")[1:2])
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
 def test_targets_say_when_no_client_keeps_tokens_apart() -> None:
     def m(tps, sep, ttft):
         return {"median": {"tokens_per_s": tps, "separate_delta_fraction": sep, "ttft_ms": {"p50": ttft}},

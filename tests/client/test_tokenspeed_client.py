@@ -70,12 +70,10 @@ async def test_a_vllm_request_is_refused_by_a_tokenspeed_client_and_vice_versa()
             client.generate(make_ts_request("t1"))
 
 
-async def test_requiring_the_other_runtime_fails_the_handshake():
+async def test_requiring_the_other_runtime_fails_the_handshake(tmp_path):
     from zmqdispatch.mock.server import MockEngineConfig, start_mock_engine
-    import tempfile
 
-    d = tempfile.mkdtemp(prefix="zqt-")
-    addr = f"ipc://{d}/hs.sock"
+    addr = f"ipc://{tmp_path}/hs.sock"
     client_done = trio.Event()
     async with trio.open_nursery() as nursery:
 

@@ -56,6 +56,30 @@ async def test_fake_engine_pair_refuses_an_unknown_config_field_naming_it() -> N
             pass  # pragma: no cover
 
 
+async def test_fake_engine_pair_raises_a_refused_handshake_as_itself_and_closes_the_engine() -> None:
+    seen: list[FakeEngine] = []
+    real_init = FakeEngine.__init__
+
+    def recording_init(self: FakeEngine, *a: Any, **kw: Any) -> None:
+        real_init(self, *a, **kw)
+        seen.append(self)
+
+    with trio.fail_after(GUARD), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FakeEngine, "__init__", recording_init)
+        with pytest.raises(EngineHandshakeError, match=r"0\.34\.0"):  # not an ExceptionGroup around it
+            async with open_fake_engine_pair(ready=ready_response(vllm_version="0.34.0"), handshake_timeout=GUARD):
+                pass  # pragma: no cover
+    (engine,) = seen
+    assert engine.socks is not None and engine.socks.input.closed and engine.socks.output.closed
+
+
+@pytest.mark.parametrize("pair", [open_fake_engine_pair, open_mock_engine_pair])
+async def test_an_error_in_the_body_of_a_pair_comes_out_as_itself(pair: Callable[..., Any]) -> None:
+    with trio.fail_after(GUARD), pytest.raises(KeyError, match="from the body"):
+        async with pair(handshake_timeout=GUARD):
+            raise KeyError("from the body")
+
+
 @pytest.mark.parametrize("runtime, make", [("vllm", make_request), ("tokenspeed", make_ts_request)])
 async def test_mock_engine_pair_streams_for_each_runtime(runtime: Literal["vllm", "tokenspeed"],
                                                          make: Callable[[str], Any]) -> None:

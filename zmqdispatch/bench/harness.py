@@ -318,12 +318,37 @@ class Runner:
             self._log.close()
 
 
+def _check_ranges(args: argparse.Namespace) -> None:
+    """ValueError naming the first option whose value is out of range."""
+    max_tokens = real_mod.MAX_MODEL_LEN - real_mod.PROMPT_LEN
+    checks: list[tuple[str, Any, bool, str]] = [
+        ("--rounds", args.rounds, args.rounds >= 1, "at least 1"),
+        ("--seconds", args.seconds, args.seconds > 0, "above 0"),
+        ("--warmup", args.warmup, args.warmup >= 0, "0 or more"),
+        ("--concurrency", args.concurrency, min(args.concurrency) >= 1, "at least 1 each"),
+        ("--idle-streams", args.idle_streams, args.idle_streams >= 0, "0 or more"),
+        ("--tokens-per-tick", args.tokens_per_tick, args.tokens_per_tick >= 1, "at least 1"),
+        ("--prompt-len", args.prompt_len, args.prompt_len >= 1, "at least 1"),
+        ("--real-rounds", args.real_rounds, args.real_rounds >= 1, "at least 1"),
+        ("--real-repeats", args.real_repeats, args.real_repeats >= 1, "at least 1"),
+        ("--real-sequences", args.real_sequences, args.real_sequences >= 1, "at least 1"),
+        ("--real-max-tokens", args.real_max_tokens, 1 <= args.real_max_tokens <= max_tokens,
+         f"1 to {max_tokens} (the engine's max_model_len {real_mod.MAX_MODEL_LEN} less the "
+         f"{real_mod.PROMPT_LEN}-token prompt)"),
+    ]
+    for flag, value, ok, limit in checks:
+        if not ok:
+            raise ValueError(f"{flag} {value}: expected {limit}")
+
+
 class BenchSettings:
     """Everything one ``zmqdispatch bench`` run needs (built from the CLI)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        """Raises ValueError naming the option for a count or duration out of range."""
+        _check_ranges(args)
         self.rounds: int = args.rounds
-        self.clients: list[str] = list(args.clients)
+        self.clients: list[str] = list(dict.fromkeys(args.clients))  # a client named twice runs once
         self.output_dir = Path(args.output_dir)
         self.plot: bool = not args.no_plot
         self.real_engine: bool = args.real_engine
@@ -331,8 +356,8 @@ class BenchSettings:
         self.real_sequences: int = args.real_sequences
         self.real_max_tokens: int = args.real_max_tokens
         self.real_repeats: int = args.real_repeats
-        self.real_topologies: list[str] = list(args.real_topologies)
-        self.real_clients: list[str] = list(args.real_clients)
+        self.real_topologies: list[str] = list(dict.fromkeys(args.real_topologies))
+        self.real_clients: list[str] = list(dict.fromkeys(args.real_clients))
         self.smg: str | None = real_mod.smg_executable(args.smg)
         self.progress: bool = not args.no_progress
         self.cells = default_cells(

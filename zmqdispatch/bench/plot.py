@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ._common import SERVICE_AUTOGROUP_NICE
+
 __all__ = ["plot", "plot_real"]
 
 _STYLE = {"raw": ("#7f7f7f", "--", "s"), "zmqdispatch": ("#1f77b4", "-", "o"),
@@ -113,7 +115,8 @@ def plot_real(doc: dict[str, Any], path: Path | str) -> Path:
         ax.set_xticks(range(len(topologies)))
         ax.set_xticklabels([{"launched": "engine in the\nclient's session",
                              "service": "engine in a\nsession of its own",
-                             "service-niced": "its own session,\nautogroup nice 10"}.get(t, t) for t in topologies],
+                             "service-niced": f"its own session,\nautogroup nice {SERVICE_AUTOGROUP_NICE}"}.get(t, t)
+                            for t in topologies],
                            fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)

@@ -42,11 +42,13 @@ the machine cancels out).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,8 @@ __all__ = ["REAL_CLIENTS", "smg_executable", "run_real", "paired_ratios", "targe
 REAL_CLIENTS = ("zmqdispatch", "vllm", "smg")
 PACKAGE_DIR = Path(__file__).resolve().parent
 MAX_MODEL_LEN = 256
+#: Prompt tokens of every real-engine request.
+PROMPT_LEN = 5
 #: Reported, never asserted (speed is not test material).
 TARGETS = {"tokens_per_s_ratio": 1.0, "separate_delta_fraction": 0.95}
 
@@ -96,8 +100,7 @@ class ServiceEngine:
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, start_new_session=True)
         if autogroup_nice is not None:
             try:  # the session exists once Popen returns; the workers it starts later join it
-                with open(f"/proc/{self.proc.pid}/autogroup", "w") as f:
-                    f.write(str(autogroup_nice))
+                _set_autogroup_nice(self.proc.pid, autogroup_nice)
             except OSError:
                 self.stop()
                 raise
@@ -126,6 +129,36 @@ class ServiceEngine:
             self.proc.wait()
         finally:
             self._log.close()
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> None:
+    """Write *nice* to ``/proc/<pid>/autogroup``. Without ``CAP_SYS_ADMIN`` the
+    kernel takes one such write per 100 ms machine-wide (EAGAIN otherwise):
+    retried for a second. OSError naming the file and value otherwise."""
+    path = f"/proc/{pid}/autogroup"
+    for attempt in range(10):
+        try:
+            with open(path, "w") as f:
+                f.write(str(nice))
+            return
+        except BlockingIOError:  # EAGAIN
+            if attempt == 9:
+                raise OSError(errno.EAGAIN, f"cannot set nice {nice} in {path}: busy for a second") from None
+            time.sleep(0.11)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot set nice {nice} in {path}: {exc.strerror}") from None
+
+
+def autogroup_nice_unavailable() -> str | None:
+    """Why an autogroup's nice would not apply on this machine (``None``: it does).
+
+    Not detected: processes in a cgroup of the ``cpu`` controller other than the
+    root, where autogroups do not apply either."""
+    if not os.path.exists("/proc/self/autogroup"):
+        return "this kernel has no autogroup scheduling (CONFIG_SCHED_AUTOGROUP)"
+    if _autogroup_enabled() is False:
+        return "autogroup scheduling is off (/proc/sys/kernel/sched_autogroup_enabled is 0)"
+    return None
 
 
 def _runner_argv(client: str, topology: str, settings: Any, model_dir: str, attach: str | None,
@@ -159,8 +192,12 @@ def run_real(settings: Any, model_dir: str, logs: Path, progress: Any, *, client
     """
     engine_cls = engine_cls or ServiceEngine
     cmd = {"op": "real", "sequences": settings.real_sequences, "max_tokens": settings.real_max_tokens,
-           "prompt_len": 5, "repeats": settings.real_repeats}
+           "prompt_len": PROMPT_LEN, "repeats": settings.real_repeats}
     topologies = list(settings.real_topologies)
+    skipped_topologies: dict[str, str] = {}
+    if "service-niced" in topologies and (why := autogroup_nice_unavailable()):
+        topologies.remove("service-niced")
+        skipped_topologies["service-niced"] = why
     configs = [(c, t) for t in topologies for c in clients]
     rounds: dict[str, dict[str, list[dict[str, Any]]]] = {t: {c: [] for c in clients} for t in topologies}
     sockets = common.PrivateDir(prefix="zmqd-real-")
@@ -187,6 +224,7 @@ def run_real(settings: Any, model_dir: str, logs: Path, progress: Any, *, client
         "rounds": settings.real_rounds,
         "clients": clients,
         "topologies": topologies,
+        "skipped_topologies": skipped_topologies,
         "engine_args": engine_args("MODEL_DIR", settings.real_sequences),
         "autogroup_enabled": _autogroup_enabled(),
         "results": {t: {c: {"median": summarize(r), "rounds": r} for c, r in by.items()}
@@ -403,6 +441,8 @@ def format_real(real: dict[str, Any]) -> str:
         if by and all(t["separate_deltas_met"] is False for t in by.values()):
             lines.append(f"\nIn topology {topology}, no client (AsyncLLM included) delivered 95 % of its tokens "
                          "as deltas of their own.")
+    for topology, why in real.get("skipped_topologies", {}).items():
+        lines.append(f"\nTopology {topology} not run: {why}.")
     return "\n".join(lines)
 
 

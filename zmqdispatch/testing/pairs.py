@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
+from .._engine_lifecycle import unwrap
 from ..client import ClientConfig, EngineClient, connect
 from ..wire import vllm_handshake
 from .dial import ready_response
@@ -71,7 +72,10 @@ async def open_fake_engine_pair(
                 await engine.handshake_done.wait()
                 yield engine, client
             engine.close()
+    except BaseExceptionGroup as eg:
+        raise unwrap(eg) from None  # the error itself, as connect() raises it
     finally:
+        engine.close()  # idempotent; on an error exit the sockets are still open
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -129,5 +133,7 @@ async def open_mock_engine_pair(
             async with connect(addr, config=client_config) as client:
                 yield started[0], client
             nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as eg:
+        raise unwrap(eg) from None  # the error itself, as connect() raises it
     finally:
         shutil.rmtree(d, ignore_errors=True)
