@@ -21,8 +21,9 @@ Topologies (:data:`._common.TOPOLOGIES`):
 - ``service-niced``: as ``service``, and the harness writes
   :data:`._common.SERVICE_AUTOGROUP_NICE` to the engine's
   ``/proc/<pid>/autogroup`` right after starting it (the session's scheduling
-  group at a lower weight, as ``docs/deployment.md`` recommends; needs no
-  privilege).
+  group at a lower weight, as ``docs/deployment.md`` recommends; as the
+  engine's user, no privilege needed). Not run where an autogroup nice cannot
+  apply (:func:`autogroup_nice_unavailable`; the report says why).
 
 With Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``)
 a session is a scheduling group: in ``service`` the busy-polling engine and the
