@@ -34,13 +34,15 @@ import errno
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TypeVar, cast
 
 import trio
 import zmq
 
 from . import limits
 from .errors import AddressBindError, InvalidAddressError
+
+_T = TypeVar("_T")
 
 __all__ = [
     "PeerUnreachable",
@@ -209,21 +211,8 @@ class TrioSocket:
         """
         with self._guard:
             await trio.lowlevel.checkpoint_if_cancelled()
-            sock = self._sock
-            recv = sock.recv_multipart
-            waited = False
-            while True:
-                try:
-                    first = recv(_NOBLOCK)
-                except zmq.Again:
-                    # Safe to wait: a fresh EAGAIN drained libzmq's command
-                    # mailbox, so the next state change will ring the fd.
-                    await trio.lowlevel.wait_readable(self._fd)
-                    waited = True
-                    continue
-                except zmq.ZMQError as exc:
-                    raise _translate(exc, self.name) from exc
-                break
+            recv = self._sock.recv_multipart
+            first, waited = await self._first_message(recv)
             batch = [first]
             # An edge was consumed: keep going until EAGAIN (or the limit; the
             # next call starts with a try, never with a wait).
@@ -237,6 +226,23 @@ class TrioSocket:
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return batch
+
+    async def _first_message(self, recv: Callable[[int], _T]) -> tuple[_T, bool]:
+        """``recv(NOBLOCK)``, waiting for the fd between tries; returns the
+        message and whether it waited. The caller holds the guard and checked
+        for cancellation; once ``recv`` returned nothing awaits, so a cancel
+        never loses a taken message."""
+        waited = False
+        while True:
+            try:
+                return recv(_NOBLOCK), waited
+            except zmq.Again:
+                # Safe to wait: a fresh EAGAIN drained libzmq's command
+                # mailbox, so the next state change will ring the fd.
+                await trio.lowlevel.wait_readable(self._fd)
+                waited = True
+            except zmq.ZMQError as exc:
+                raise _translate(exc, self.name) from exc
 
     def recv_nowait(self, limit: int = limits.RECV_BATCH_LIMIT) -> list[list[bytes]]:
         """Up to *limit* messages already queued, without waiting (maybe none).
@@ -274,17 +280,8 @@ class TrioSocket:
         """
         with self._guard:
             await trio.lowlevel.checkpoint_if_cancelled()
-            waited = False
-            while True:
-                try:
-                    parts = self._sock.recv_multipart(_NOBLOCK, copy=False)
-                except zmq.Again:
-                    await trio.lowlevel.wait_readable(self._fd)
-                    waited = True
-                    continue
-                except zmq.ZMQError as exc:
-                    raise _translate(exc, self.name) from exc
-                break
+            sock = self._sock
+            parts, waited = await self._first_message(lambda flags: sock.recv_multipart(flags, copy=False))
             try:
                 fd = int(parts[0].get(zmq.SRCFD))
             except zmq.ZMQError:

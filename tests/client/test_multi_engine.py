@@ -8,8 +8,8 @@ import functools
 import logging
 import random
 from typing import Any
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import attrs
 import pytest
@@ -480,17 +480,25 @@ async def test_pending_handshakes_are_capped_and_one_that_hangs_is_dropped_at_th
         tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(limits, "MAX_PENDING_HANDSHAKES", 2)
     caplog.set_level(logging.WARNING, logger="zmqdispatch")
-    refused = trio.Event()
+    with logged("refused: 2 handshakes are under way") as refused:  # the refusal's WARNING is its only sign
+        await _capped_handshakes(tmp_path, caplog, refused)
 
-    class RefusalWatch(logging.Handler):  # the refusal's WARNING is its only sign
+
+@contextmanager
+def logged(text: str) -> Iterator[trio.Event]:
+    """An Event set once a ``zmqdispatch`` log record's message contains *text*
+    (for a state change the client shows only in its log)."""
+    seen = trio.Event()
+
+    class Watch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if "refused: 2 handshakes are under way" in record.getMessage():
-                refused.set()
+            if text in record.getMessage():
+                seen.set()
 
-    watch = RefusalWatch()
+    watch = Watch()
     logging.getLogger("zmqdispatch").addHandler(watch)
     try:
-        await _capped_handshakes(tmp_path, caplog, refused)
+        yield seen
     finally:
         logging.getLogger("zmqdispatch").removeHandler(watch)
 
@@ -527,19 +535,8 @@ async def test_an_engine_that_dies_mid_handshake_frees_its_slot_at_once_and_its_
     again with the same identity gets the slot."""
     monkeypatch.setattr(limits, "MAX_PENDING_HANDSHAKES", 1)
     caplog.set_level(logging.INFO, logger="zmqdispatch")
-    hello = trio.Event()
-
-    class HelloWatch(logging.Handler):  # the pending handshake's INFO line is its only sign
-        def emit(self, record: logging.LogRecord) -> None:
-            if "HELLO from engine identity 0500" in record.getMessage():
-                hello.set()
-
-    watch = HelloWatch()
-    logging.getLogger("zmqdispatch").addHandler(watch)
-    try:
+    with logged("HELLO from engine identity 0500") as hello:  # the pending handshake's INFO line is its only sign
         await _dies_mid_handshake(tmp_path, caplog, hello)
-    finally:
-        logging.getLogger("zmqdispatch").removeHandler(watch)
 
 
 async def _dies_mid_handshake(tmp_path, caplog, hello: trio.Event) -> None:
