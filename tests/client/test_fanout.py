@@ -330,9 +330,9 @@ async def test_an_outer_cancellation_surfaces_as_a_bare_cancelled():
 
 
 async def test_closing_a_sample_that_finished_unread_never_aborts_a_newer_request_with_its_id():
-    # Second fresh-clone review: sample p-0 finished on the engine, its last delta
-    # not read yet; another caller started its own "p-0". abort_sample (and leaving
-    # the parent) aborted by id and killed that request.
+    # Sample p-0 finished on the engine, its last delta not read yet; another
+    # caller started its own "p-0". abort_sample (and leaving the parent) must not
+    # abort by id, which would kill that request.
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
             async with client.generate_samples(children(2)) as ps:

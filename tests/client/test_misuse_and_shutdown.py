@@ -1,4 +1,4 @@
-"""Fixes from a fresh-user review: closing a client with open streams aborts
+"""Misuse and shutdown: closing a client with open streams aborts
 them; streams refuse use without ``async with`` and concurrent receivers; a
 second Ctrl-C during engine shutdown still kills the engine."""
 

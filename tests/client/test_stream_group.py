@@ -167,11 +167,10 @@ async def test_an_id_is_refused_until_its_terminal_item_was_received():
 
 @pytest.mark.parametrize("group", [False, True])
 async def test_reusing_an_id_right_after_an_abort_gets_only_its_own_outputs(group: bool):
-    # The fresh-clone review's reproduction, on the vLLM mock (which, like vLLM,
-    # dies on a duplicate live id): abort "X" after its first delta, reuse "X"
-    # at once, many times. The old request's late outputs must never reach the
-    # new one (they did: wrong tokens, an early finish, then a live duplicate
-    # on the engine).
+    # On the vLLM mock (which, like vLLM, dies on a duplicate live id): abort
+    # "X" after its first delta, reuse "X" at once, many times. The old
+    # request's late outputs must never reach the new one (that would be wrong
+    # tokens, an early finish, then a live duplicate on the engine).
     with trio.fail_after(60):
         async with connect(launch=mock_argv("{handshake_address}", "--step-interval-ms", "1"),
                            config=ClientConfig(handshake_timeout=20)) as client:
@@ -204,9 +203,9 @@ async def test_reusing_an_id_right_after_an_abort_gets_only_its_own_outputs(grou
 
 
 async def test_group_abort_never_touches_another_callers_request_with_the_same_id():
-    # Second fresh-clone review: "x" finished on the engine, unread in the group;
-    # another caller then started its own "x". Aborting the group's "x" (or
-    # leaving the group) aborted by id and killed the other caller's request.
+    # "x" finished on the engine, unread in the group; another caller then
+    # started its own "x". Aborting the group's "x" (or leaving the group) must
+    # not abort by id, which would kill the other caller's request.
     async with tokenspeed_pair() as (engine, client):
         async with client.stream_group() as group:
             mine = await finished_unread(client, group, "x", 1)

@@ -383,9 +383,9 @@ async def test_gc_is_paused_only_while_a_batch_is_routed(
 
 
 async def test_a_stream_never_entered_sends_nothing_and_holds_no_id():
-    # Found by a fresh-clone review: generate() queued the ADD at once, so code
-    # that raised (or was cancelled) before `async with stream` left the request
-    # running on the engine with nobody to abort it.
+    # If generate() queued the ADD at once, code that raised (or was cancelled)
+    # before `async with stream` would leave the request running on the engine
+    # with nobody to abort it.
     async with fake_pair() as (engine, client):
         s = client.generate(make_request("r1"))
         assert not client.protocol.is_live("r1") and not client.protocol.wants_send

@@ -116,10 +116,10 @@ def test_abort_then_resubmit_of_the_same_id_sends_the_abort_first():
 
 
 def test_late_outputs_of_an_aborted_request_never_reach_a_reuse_of_its_id():
-    # Found by a fresh-clone review: outputs the engine sent before it saw the
-    # ABORT are still on their way; under the same engine-side id they were
-    # routed to the new request (wrong tokens; its old final output ended the
-    # new stream early, and the next reuse was a live duplicate on the engine).
+    # Outputs the engine sent before it saw the ABORT are still on their way;
+    # under the same engine-side id they would reach the new request (wrong
+    # tokens; its old final output would end the new stream early, and the next
+    # reuse would be a live duplicate on the engine).
     p = EngineProtocol()
     p.submit(make_request("x"))
     sent(p)
