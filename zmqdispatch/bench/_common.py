@@ -542,7 +542,9 @@ def process_sessions(pid: int | None = None) -> dict[str, Any]:
 
     Returns ``{"pid", "sid", "pgid", "autogroup", "descendants": [{"pid", "sid",
     "pgid", "autogroup", "name"}, ...]}``; ``autogroup`` is the text of
-    ``/proc/PID/autogroup`` (``/autogroup-N nice K``) or ``None``.
+    ``/proc/PID/autogroup`` (``/autogroup-N nice K``), or ``None`` where the
+    process is in no autogroup (the kernel has none, or the process is in the
+    root scheduling group, e.g. a container's first session: the file is empty).
     """
     pid = os.getpid() if pid is None else pid
 
@@ -554,7 +556,7 @@ def process_sessions(pid: int | None = None) -> dict[str, Any]:
             fields = stat[stat.rindex(b")") + 2:].split()
             try:
                 with open(f"/proc/{p}/autogroup") as f:
-                    group: str | None = f.read().strip()
+                    group: str | None = f.read().strip() or None
             except OSError:
                 group = None
             return {"pid": p, "ppid": int(fields[1]), "pgid": int(fields[2]), "sid": int(fields[3]),
