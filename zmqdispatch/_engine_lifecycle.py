@@ -3,7 +3,8 @@
 :func:`zmqdispatch.multi.connect_engines` for many).
 
 - the launch command (``{handshake_address}`` substituted) and the launched
-  process: :func:`format_launch`, :func:`launch`, :func:`terminate`;
+  process: :func:`format_launch`, :func:`launch` (under
+  :mod:`zmqdispatch._launch_watchdog`), :func:`terminate`;
 - the version guard on an engine's ready response: :func:`check_version`;
 - the one error a shell's nursery failure stands for: :func:`unwrap`.
 
@@ -15,10 +16,12 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
@@ -47,7 +50,13 @@ def format_launch(launch: str | Sequence[str], handshake_address: str) -> list[s
     return [a.replace("{handshake_address}", handshake_address) for a in argv]
 
 
-async def launch(launch: str | Sequence[str], handshake_address: str, stdout: int | None) -> trio.Process:
+#: The program a launched engine runs under (:mod:`zmqdispatch._launch_watchdog`),
+#: run by path so that it starts without importing the package.
+WATCHDOG_PATH = str(Path(__file__).with_name("_launch_watchdog.py"))
+
+
+async def launch(launch: str | Sequence[str], handshake_address: str, stdout: int | None,
+                 grace: float) -> trio.Process:
     """Start the engine command *launch* (see :func:`format_launch`) told to
     dial *handshake_address*; its stdout goes to *stdout* (default: our stderr),
     its stdin is ``/dev/null``.
@@ -57,15 +66,30 @@ async def launch(launch: str | Sequence[str], handshake_address: str, stdout: in
     new scheduling autogroup, and a busy-polling engine there starves the
     client (``docs/deployment.md``).
 
+    The command runs under :mod:`zmqdispatch._launch_watchdog` (same pid,
+    group and exit status): if this process dies without stopping the engine
+    (SIGKILL, the OOM killer), the engine gets SIGTERM and its group SIGKILL
+    after *grace* seconds, as :func:`terminate` would have done.
+
     Raises:
         EngineHandshakeError: the command cannot be started (not found, not executable).
         ValueError: as :func:`format_launch`.
     """
     argv = format_launch(launch, handshake_address)
+    if shutil.which(argv[0]) is None:  # the watchdog would exec it; say it here, before anything runs
+        raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: not found, or not an executable file"
+                                   + ("" if os.sep in argv[0] else " on PATH"))
+    if sys.executable:
+        command = [sys.executable, "-I", "-S", WATCHDOG_PATH, repr(float(grace)), "--", *argv]
+    else:  # an embedded interpreter that cannot name itself: no watchdog
+        _log.warning("no Python executable to run the launch watchdog (sys.executable is empty): "
+                     "the engine will outlive this process if it is killed")
+        command = argv
     try:
         process = await trio.lowlevel.open_process(
-            argv,
-            stdin=subprocess.DEVNULL,
+            command,
+            # the watchdog's pipe: its write end is ours alone, end of file there means we are gone
+            stdin=subprocess.PIPE if command is not argv else subprocess.DEVNULL,
             stdout=stdout if stdout is not None else _our_stderr(),
             process_group=0,
         )
@@ -129,6 +153,8 @@ async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
         _kill_group(proc)
         with trio.move_on_after(2):
             await proc.wait()
+        if proc.stdin is not None:  # the watchdog's pipe; its end of file now finds the group gone
+            await proc.stdin.aclose()
         _log.info("launched engine process %d exited with code %s", proc.pid, proc.returncode)
 
 

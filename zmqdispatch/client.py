@@ -1285,7 +1285,7 @@ async def connect(
             hs_address = await bind(hs, handshake_address or ipc("handshake.sock"), "handshake_address")
             _log.info("bound handshake %s, input %s, output %s", hs_address, input_address, output_address)
             if launch is not None:
-                process = await launch_engine(launch, hs_address, launch_stdout)
+                process = await launch_engine(launch, hs_address, launch_stdout, config.terminate_grace)
             _log.info("waiting for an engine at %s, timeout %s s", hs_address, config.handshake_timeout,
                       extra={"zmqdispatch_wait": True})
             identity, ready = await _handshake(

@@ -942,7 +942,7 @@ async def connect_engines(
         _log.info("bound handshake %s; waiting for %d engine(s), timeout %s s", ", ".join(bound),
                   data_parallel_size, config.handshake_timeout, extra={"zmqdispatch_wait": True})
         if launch is not None:
-            process = await launch_engine(launch, bound[0], launch_stdout)
+            process = await launch_engine(launch, bound[0], launch_stdout, config.terminate_grace)
         try:
             async with trio.open_nursery() as nursery:
                 for k, (hs, address) in enumerate(zip(sockets, bound, strict=True)):

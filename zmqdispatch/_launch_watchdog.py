@@ -1,0 +1,119 @@
+"""Run a launched engine so that it ends when the client that launched it is gone.
+
+The client starts ``python -I -S <this file> GRACE -- ENGINE_ARGV...`` with a
+pipe as stdin whose write end only the client holds
+(:func:`zmqdispatch._engine_lifecycle.launch`). This program forks a watchdog,
+then ``exec``\\ s the engine command in its own place: the engine keeps the pid,
+the process group, the exit status and the signals the client gives it.
+
+The watchdog (a child of the engine, in the engine's process group) waits for
+one of two things:
+
+- the pipe reaches end of file: every copy of the write end is closed, i.e. the
+  client exited, however it died (SIGKILL, the OOM killer, a crash). The watchdog
+  then does what the client would have done: SIGTERM to the engine, SIGCONT to
+  the group, and SIGKILL to the whole group once the engine exited or after
+  GRACE seconds (its workers included; the watchdog goes with them);
+- the engine exits: the watchdog exits too (the kernel kills it through
+  ``PR_SET_PDEATHSIG``, and it checks its parent once a second besides).
+
+The pipe, not the client's pid, is what is watched: it cannot be mistaken for a
+recycled pid, and it needs no polling. The client's own children keep the write
+end only if they were started without closing inherited descriptors.
+
+Run by path with ``-I -S`` (nothing but the standard library, not the
+package's ``__init__``): it starts in milliseconds. Linux only (``prctl``);
+elsewhere the watchdog still sees the client's exit but leans on the once a
+second parent check alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: The exit status when the engine command cannot be executed (as a shell's).
+EXIT_CANNOT_EXEC = 127
+#: How often the watchdog checks that its parent (the engine) is still there, in seconds.
+PARENT_CHECK_INTERVAL = 1.0
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent check alone
+        pass
+
+
+def _stop_engine(engine_pid: int, grace: float) -> None:
+    """The client is gone: SIGTERM the engine, then SIGKILL its group (and us)."""
+    _set_parent_death_signal(0)  # outlive the engine long enough to kill its workers
+    try:
+        os.kill(engine_pid, signal.SIGTERM)
+        os.killpg(0, signal.SIGCONT)  # a stopped engine acts on SIGTERM only once resumed
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while os.getppid() == engine_pid and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _watch(client_fd: int, engine_pid: int, grace: float) -> None:
+    """The watchdog's life (module docstring); never returns."""
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != engine_pid:  # the engine ended before the line above
+        os._exit(0)
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write("zmqd-watchdog")
+    except OSError:
+        pass
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 1)  # hold no reader of the engine's output open
+    os.close(devnull)
+    for sig in (signal.SIGINT, signal.SIGHUP):  # the engine's to handle; SIGTERM to the group ends us
+        signal.signal(sig, signal.SIG_IGN)
+    while True:
+        readable, _, _ = select.select([client_fd], [], [], PARENT_CHECK_INTERVAL)
+        if os.getppid() != engine_pid:
+            os._exit(0)
+        if readable and not os.read(client_fd, 4096):
+            _stop_engine(engine_pid, grace)
+            os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """``GRACE -- ENGINE_ARGV...``: fork the watchdog, then exec the engine
+    (stdin ``/dev/null``). Exits 127 with one line on stderr when the engine
+    command cannot be executed; 2 on a malformed command line."""
+    if len(argv) < 3 or argv[1] != "--":
+        sys.stderr.write("zmqdispatch watchdog: usage: GRACE -- ENGINE_ARGV...\n")
+        os._exit(2)
+    grace, engine_argv = float(argv[0]), argv[2:]
+    engine_pid = os.getpid()
+    if os.fork() == 0:
+        try:
+            _watch(0, engine_pid, grace)
+        finally:
+            os._exit(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the engine does not hold the client's pipe
+    os.close(devnull)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python's startup, as subprocess restores them
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        os.execvp(engine_argv[0], engine_argv)
+    except OSError as exc:
+        sys.stderr.write(f"zmqdispatch: cannot start engine command {engine_argv[0]!r}: {exc}\n")
+        os._exit(EXIT_CANNOT_EXEC)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
