@@ -24,13 +24,15 @@ Exit status: 0 the generate completed; 2 the client rejected the request
 (dead, handshake, engine error) or an address cannot be bound; 130 interrupted
 (SIGINT), 143 terminated (SIGTERM): both stop a launched engine first; 141
 stdout closed or unwritable (the request is aborted); 1 an
-internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback). Failures
+internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback) or out of
+file descriptors. Failures
 print one line on stderr, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -84,7 +86,7 @@ EXIT_TERMINATED = 143
 #: Set (to anything but "" / "0") to let an internal error's traceback through.
 DEBUG_ENV = "ZMQDISPATCH_DEBUG"
 
-_INTERNAL_EPILOG = (f"  1    internal error (a bug; {DEBUG_ENV}=1 prints its traceback)\n")
+_INTERNAL_EPILOG = (f"  1    internal error (a bug; {DEBUG_ENV}=1 prints its traceback), or out of file descriptors\n")
 
 _GENERATE_EPILOG = (
     "exit status:\n"
@@ -672,12 +674,53 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
+#: File descriptors the command line wants at least: a client and an engine
+#: process take about 10 each (sockets, their monitors, libzmq's own).
+MIN_OPEN_FILES = 64
+#: What the command line raises its soft ``RLIMIT_NOFILE`` to, at most (the hard limit caps it).
+WANTED_OPEN_FILES = 65536
+
+
+def _open_files_limit() -> str | None:
+    """Raise the soft open-files limit toward the hard one (as Go's runtime
+    and vLLM's server do); a one-line complaint if what is left is below
+    :data:`MIN_OPEN_FILES`, else ``None``."""
+    try:
+        import resource  # POSIX only
+    except ImportError:  # pragma: no cover
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (OSError, ValueError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+        return (f"this process may open only {soft} files (ulimit -n; hard limit {hard}); "
+                f"zmqdispatch needs at least {MIN_OPEN_FILES}")
+    return None
+
+
+def _out_of_files(exc: BaseException) -> bool:
+    """*exc*, or what it was raised from, is EMFILE / ENFILE (OSError or zmq.ZMQError)."""
+    while exc is not None:
+        if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (see ``--help``).
 
     Every failure prints one line on stderr. An exception nothing here expects
     (a bug) is reported as an internal error (exit 1), with its traceback only
-    when ``ZMQDISPATCH_DEBUG`` is set.
+    when ``ZMQDISPATCH_DEBUG`` is set. ``generate`` and ``mock-engine`` raise the
+    soft open-files limit to the hard one first; running out of file
+    descriptors (a hard limit below :data:`MIN_OPEN_FILES`, or later) exits 1
+    too, with a line that says so.
     """
     args = _build_parser().parse_args(argv)  # argparse: exit 2 on a bad flag
     try:
@@ -687,11 +730,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
+        if _out_of_files(exc):
+            return _fail(EXIT_INTERNAL, f"out of file descriptors: {exc} (raise ulimit -n)")
         return _fail(EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc} "
                                     f"(a bug; re-run with {DEBUG_ENV}=1 for the traceback)")
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("generate", "mock-engine") and (complaint := _open_files_limit()):
+        return _fail(EXIT_INTERNAL, f"out of file descriptors: {complaint}")
     if args.command in ("generate", "mock-engine"):
         # The wait for an engine started elsewhere (or by --launch) is said at
         # any level; the embedded mock answers within a second or fails.

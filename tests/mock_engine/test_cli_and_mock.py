@@ -83,6 +83,39 @@ def test_engine_failure_exits_3():
     assert all("chunk" in m for m in lines(p.stdout))  # tokens before the death were printed
 
 
+def test_a_launch_command_that_cannot_run_exits_3_with_one_line():
+    p = run_cli("generate", "--prompt-token-ids", "1,2,3", "--launch", "zmqd-no-such-engine {handshake_address}")
+    assert p.returncode == 3 and p.stdout == ""
+    assert p.stderr.strip().splitlines()[-1] == (
+        "zmqdispatch: error: EngineHandshakeError: cannot start engine command "
+        "'zmqd-no-such-engine': not found, or not an executable file on PATH")
+
+
+@pytest.mark.parametrize("command", ["generate", "mock-engine"])
+def test_a_hard_open_files_limit_too_low_exits_1_with_one_line_that_names_it(command):
+    def low_limit() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (20, 20))
+
+    p = subprocess.run([sys.executable, "-m", "zmqdispatch", command, "--handshake-address", "ipc:///nowhere"],
+                       capture_output=True, text=True, timeout=60, env=ENV, preexec_fn=low_limit)
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.splitlines() == ["zmqdispatch: error: out of file descriptors: this process may open only 20 "
+                                     "files (ulimit -n; hard limit 20); zmqdispatch needs at least 64"]
+
+
+def test_a_low_soft_open_files_limit_is_raised_to_the_hard_one():
+    def low_soft_limit() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (20, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    p = subprocess.run([sys.executable, "-m", "zmqdispatch", "generate", "--prompt-token-ids", "1,2,3",
+                        "--max-tokens", "2"], capture_output=True, text=True, timeout=60, env=ENV,
+                       preexec_fn=low_soft_limit)
+    assert p.returncode == 0, p.stderr
+    assert "complete" in lines(p.stdout)[-1]
+
+
 def test_generate_waits_for_an_engine_started_elsewhere(tmp_path):
     addr = f"ipc://{tmp_path}/hs.sock"
     engine = subprocess.Popen([sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", addr],
