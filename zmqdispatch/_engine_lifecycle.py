@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,7 +58,7 @@ async def launch(launch: str | Sequence[str], handshake_address: str, stdout: in
                  grace: float) -> trio.Process:
     """Start the engine command *launch* (see :func:`format_launch`) told to
     dial *handshake_address*; its stdout goes to *stdout* (default: our stderr),
-    its stdin is ``/dev/null``.
+    its stdin is ``/dev/null``. Returns once the command was executed.
 
     The process gets a process group of its own (so :func:`terminate` reaches
     its workers too) but stays inside the caller's session: a new session is a
@@ -68,35 +67,72 @@ async def launch(launch: str | Sequence[str], handshake_address: str, stdout: in
 
     The command runs under :mod:`zmqdispatch._launch_watchdog` (same pid,
     group and exit status): if this process dies without stopping the engine
-    (SIGKILL, the OOM killer), the engine gets SIGTERM and its group SIGKILL
-    after *grace* seconds, as :func:`terminate` would have done.
+    (SIGKILL, the OOM killer), the engine gets SIGTERM, and its group SIGKILL
+    once it exited or after *grace* seconds, as :func:`terminate` would have
+    done. Without a Python to run it (a frozen application, or
+    ``multiprocessing``'s executable unset) the command runs alone, with a warning.
+
+    Cancellation after the process started kills its group before it propagates.
 
     Raises:
-        EngineHandshakeError: the command cannot be started (not found, not executable).
+        EngineHandshakeError: the command cannot be executed (not found, not
+            executable, a bad interpreter line); the message has the errno.
         ValueError: as :func:`format_launch`.
     """
     argv = format_launch(launch, handshake_address)
-    if shutil.which(argv[0]) is None:  # the watchdog would exec it; say it here, before anything runs
-        raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: not found, or not an executable file"
-                                   + ("" if os.sep in argv[0] else " on PATH"))
-    if sys.executable:
-        command = [sys.executable, "-I", "-S", WATCHDOG_PATH, repr(float(grace)), "--", *argv]
-    else:  # an embedded interpreter that cannot name itself: no watchdog
-        _log.warning("no Python executable to run the launch watchdog (sys.executable is empty): "
-                     "the engine will outlive this process if it is killed")
-        command = argv
+    python = _watchdog_python()
+    err_r, err_w = os.pipe()  # the watchdog's report of a failed exec; closed by a successful one
     try:
-        process = await trio.lowlevel.open_process(
-            command,
-            # the watchdog's pipe: its write end is ours alone, end of file there means we are gone
-            stdin=subprocess.PIPE if command is not argv else subprocess.DEVNULL,
-            stdout=stdout if stdout is not None else _our_stderr(),
-            process_group=0,
-        )
-    except OSError as exc:
-        raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+        if python is None:
+            _log.warning("no Python to run the launch watchdog (a frozen application, or multiprocessing's "
+                         "executable unset): the engine will outlive this process if it is killed")
+            command, stdin = argv, subprocess.DEVNULL
+        else:
+            command = [python, "-I", "-S", WATCHDOG_PATH, repr(float(grace)), str(err_w), "--", *argv]
+            stdin = subprocess.PIPE  # its write end is ours alone: end of file there means we are gone
+        try:
+            process = await trio.lowlevel.open_process(
+                command,
+                stdin=stdin,
+                stdout=stdout if stdout is not None else _our_stderr(),
+                process_group=0,
+                pass_fds=(err_w,) if python is not None else (),
+            )
+        except OSError as exc:
+            raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+    finally:
+        os.close(err_w)
+    try:
+        async with trio.lowlevel.FdStream(err_r) as reports:
+            report = b""
+            while chunk := await reports.receive_some():
+                report += chunk
+        if report:
+            errno_text, _, strerror = report.decode(errors="replace").partition(":")
+            failed = OSError(int(errno_text), strerror, argv[0])
+            raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {failed}") from failed
+    except BaseException:
+        await terminate(process, 0)
+        raise
     _log.info("launched engine process %d: %s", process.pid, shlex.join(argv))
     return process
+
+
+def _watchdog_python() -> str | None:
+    """The interpreter to run :mod:`zmqdispatch._launch_watchdog` with: the one
+    ``multiprocessing`` starts its children with (``sys.executable`` unless the
+    application set another); ``None`` in a frozen application."""
+    if getattr(sys, "frozen", False):
+        return None
+    import multiprocessing.spawn
+
+    executable = multiprocessing.spawn.get_executable()
+    return os.fsdecode(executable) if executable else None
+
+
+async def _close_stdin(proc: trio.Process) -> None:
+    if proc.stdin is not None:  # the watchdog's pipe
+        await proc.stdin.aclose()
 
 
 def _our_stderr() -> int:
@@ -120,6 +156,18 @@ def _kill_group(proc: trio.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _reap_group(pgid: int) -> None:
+    """Reap every child of ours in process group *pgid* (blocking; they were
+    SIGKILLed). Returns at once when there is none."""
+    while hasattr(os, "waitid"):  # not on macOS
+        try:
+            os.waitid(os.P_PGID, pgid, os.WEXITED)
+        except ChildProcessError:
+            return
+        except InterruptedError:  # pragma: no cover
+            continue
 
 
 async def terminate(proc: trio.Process, grace: float) -> None:
@@ -153,8 +201,12 @@ async def _terminate_gracefully(proc: trio.Process, grace: float) -> None:
         _kill_group(proc)
         with trio.move_on_after(2):
             await proc.wait()
-        if proc.stdin is not None:  # the watchdog's pipe; its end of file now finds the group gone
-            await proc.stdin.aclose()
+        await _close_stdin(proc)  # its end of file now finds the group gone
+        if proc.returncode is not None:
+            # Group members that became our children (we are PID 1 or a child
+            # subreaper: the watchdog, orphaned workers) are ours to reap.
+            with trio.move_on_after(2):
+                await trio.to_thread.run_sync(_reap_group, proc.pid, abandon_on_cancel=True)
         _log.info("launched engine process %d exited with code %s", proc.pid, proc.returncode)
 
 

@@ -1,10 +1,12 @@
 """Run a launched engine so that it ends when the client that launched it is gone.
 
-The client starts ``python -I -S <this file> GRACE -- ENGINE_ARGV...`` with a
-pipe as stdin whose write end only the client holds
+The client starts ``python -I -S <this file> GRACE ERRFD -- ENGINE_ARGV...``
+with a pipe as stdin whose write end only the client holds
 (:func:`zmqdispatch._engine_lifecycle.launch`). This program forks a watchdog,
 then ``exec``\\ s the engine command in its own place: the engine keeps the pid,
-the process group, the exit status and the signals the client gives it.
+the process group, the exit status and the signals the client gives it. An
+exec that fails is reported on ERRFD (:func:`main`), as :mod:`subprocess`
+reports its own.
 
 The watchdog (a child of the engine, in the engine's process group) waits for
 one of two things:
@@ -18,8 +20,11 @@ one of two things:
   ``PR_SET_PDEATHSIG``, and it checks its parent once a second besides).
 
 The pipe, not the client's pid, is what is watched: it cannot be mistaken for a
-recycled pid, and it needs no polling. The client's own children keep the write
-end only if they were started without closing inherited descriptors.
+recycled pid, and it needs no polling. Its write end closes on exec, so the
+client's other programs do not hold it; a child the client forked without
+exec (``os.fork``, multiprocessing's ``fork`` start) does, and keeps the engine
+running until it exits. A signal to the whole group (SIGTERM, SIGKILL) ends the
+watchdog with the rest.
 
 Run by path with ``-I -S`` (nothing but the standard library, not the
 package's ``__init__``): it starts in milliseconds. Linux only (``prctl``);
@@ -90,16 +95,20 @@ def _watch(client_fd: int, engine_pid: int, grace: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``GRACE -- ENGINE_ARGV...``: fork the watchdog, then exec the engine
-    (stdin ``/dev/null``). Exits 127 with one line on stderr when the engine
-    command cannot be executed; 2 on a malformed command line."""
-    if len(argv) < 3 or argv[1] != "--":
-        sys.stderr.write("zmqdispatch watchdog: usage: GRACE -- ENGINE_ARGV...\n")
+    """``GRACE ERRFD -- ENGINE_ARGV...``: fork the watchdog, then exec the
+    engine (stdin ``/dev/null``). ERRFD is a pipe the client reads to its end:
+    nothing when the exec succeeded (the descriptor closes on exec), else
+    ``ERRNO:STRERROR`` and exit status :data:`EXIT_CANNOT_EXEC`. Exit 2 on a
+    malformed command line."""
+    if len(argv) < 4 or argv[2] != "--":
+        sys.stderr.write("zmqdispatch watchdog: usage: GRACE ERRFD -- ENGINE_ARGV...\n")
         os._exit(2)
-    grace, engine_argv = float(argv[0]), argv[2:]
+    grace, err_fd, engine_argv = float(argv[0]), int(argv[1]), argv[3:]
+    os.set_inheritable(err_fd, False)  # closed by the exec: the client's "it started"
     engine_pid = os.getpid()
     if os.fork() == 0:
         try:
+            os.close(err_fd)
             _watch(0, engine_pid, grace)
         finally:
             os._exit(1)
@@ -111,7 +120,7 @@ def main(argv: list[str]) -> None:
     try:
         os.execvp(engine_argv[0], engine_argv)
     except OSError as exc:
-        sys.stderr.write(f"zmqdispatch: cannot start engine command {engine_argv[0]!r}: {exc}\n")
+        os.write(err_fd, f"{exc.errno}:{exc.strerror}".encode())
         os._exit(EXIT_CANNOT_EXEC)
 
 

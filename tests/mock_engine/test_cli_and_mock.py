@@ -88,7 +88,7 @@ def test_a_launch_command_that_cannot_run_exits_3_with_one_line():
     assert p.returncode == 3 and p.stdout == ""
     assert p.stderr.strip().splitlines()[-1] == (
         "zmqdispatch: error: EngineHandshakeError: cannot start engine command "
-        "'zmqd-no-such-engine': not found, or not an executable file on PATH")
+        "'zmqd-no-such-engine': [Errno 2] No such file or directory: 'zmqd-no-such-engine'")
 
 
 @pytest.mark.parametrize("command", ["generate", "mock-engine"])
