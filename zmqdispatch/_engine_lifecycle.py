@@ -100,6 +100,9 @@ async def launch(launch: str | Sequence[str], handshake_address: str, stdout: in
             )
         except OSError as exc:
             raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {exc}") from exc
+    except BaseException:
+        os.close(err_r)
+        raise
     finally:
         os.close(err_w)
     try:

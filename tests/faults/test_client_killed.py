@@ -25,6 +25,7 @@ import pytest
 import trio
 
 from zmqdispatch import ClientConfig, EngineHandshakeError, connect
+from zmqdispatch import _engine_lifecycle as lifecycle
 from zmqdispatch._engine_lifecycle import WATCHDOG_PATH
 from zmqdispatch._launch_watchdog import EXIT_CANNOT_EXEC
 from zmqdispatch.testing import live_group_members, proc_state
@@ -223,3 +224,11 @@ async def test_a_subreaper_client_reaps_the_watchdog_of_each_engine_it_stopped()
     with trio.fail_after(GUARD):
         done = await trio.run_process([sys.executable, "-c", SUBREAPER], capture_stdout=True, capture_stderr=True)
     assert done.stdout == b"0\n", done.stderr.decode()[-2000:]
+
+
+async def test_a_launch_that_cannot_start_its_python_raises_and_leaves_no_descriptor_open(monkeypatch):
+    monkeypatch.setattr(lifecycle, "_watchdog_python", lambda: "/nonexistent/python")
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(EngineHandshakeError, match=r"cannot start engine command 'true': .*/nonexistent/python"):
+        await lifecycle.launch(["true"], "ipc:///nowhere", None, 1.0)
+    assert set(os.listdir("/proc/self/fd")) <= before
