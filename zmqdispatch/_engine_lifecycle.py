@@ -81,7 +81,13 @@ async def launch(launch: str | Sequence[str], handshake_address: str, stdout: in
     """
     argv = format_launch(launch, handshake_address)
     python = _watchdog_python()
-    err_r, err_w = os.pipe()  # the watchdog's report of a failed exec; closed by a successful one
+    err_r, err_w = os.pipe()  # the watchdog's report (_launch_watchdog.main); closed by a successful exec
+    low = []
+    while err_w < 3:  # not one of the standard descriptors the child gets (as subprocess does)
+        low.append(err_w)
+        err_w = os.dup(err_w)
+    for fd in low:
+        os.close(fd)
     try:
         if python is None:
             _log.warning("no Python to run the launch watchdog (a frozen application, or multiprocessing's "
@@ -110,9 +116,13 @@ async def launch(launch: str | Sequence[str], handshake_address: str, stdout: in
             report = b""
             while chunk := await reports.receive_some():
                 report += chunk
-        if report:
-            errno_text, _, strerror = report.decode(errors="replace").partition(":")
-            failed = OSError(int(errno_text), strerror, argv[0])
+        if python is not None and not report.startswith(b"+"):
+            code = await process.wait()
+            raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: the launch watchdog's Python "
+                                       f"{python!r} exited with code {code} before running it")
+        if report[1:]:
+            errno_text, _, text = report[1:].decode(errors="replace").partition(":")
+            failed: Exception = OSError(int(errno_text), text, argv[0]) if errno_text != "0" else RuntimeError(text)
             raise EngineHandshakeError(f"cannot start engine command {argv[0]!r}: {failed}") from failed
     except BaseException:
         await terminate(process, 0)

@@ -27,14 +27,13 @@ running until it exits. A signal to the whole group (SIGTERM, SIGKILL) ends the
 watchdog with the rest.
 
 Run by path with ``-I -S`` (nothing but the standard library, not the
-package's ``__init__``): it starts in milliseconds. Linux only (``prctl``);
-elsewhere the watchdog still sees the client's exit but leans on the once a
-second parent check alone.
+package's ``__init__``): it starts in milliseconds. ``PR_SET_PDEATHSIG`` is
+Linux's; elsewhere, or without ``ctypes``, the watchdog still sees the
+client's exit but notices the engine's only by the once a second parent check.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
@@ -50,9 +49,10 @@ PARENT_CHECK_INTERVAL = 1.0
 
 def _set_parent_death_signal(sig: int) -> None:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the parent check alone
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (ImportError, OSError, AttributeError):  # no ctypes, or not Linux: the parent check alone
         pass
 
 
@@ -62,7 +62,7 @@ def _stop_engine(engine_pid: int, grace: float) -> None:
     try:
         os.kill(engine_pid, signal.SIGTERM)
         os.killpg(0, signal.SIGCONT)  # a stopped engine acts on SIGTERM only once resumed
-    except ProcessLookupError:
+    except OSError:  # gone already, or not ours to signal (it changed its user)
         pass
     deadline = time.monotonic() + grace
     while os.getppid() == engine_pid and time.monotonic() < deadline:
@@ -96,31 +96,38 @@ def _watch(client_fd: int, engine_pid: int, grace: float) -> None:
 
 def main(argv: list[str]) -> None:
     """``GRACE ERRFD -- ENGINE_ARGV...``: fork the watchdog, then exec the
-    engine (stdin ``/dev/null``). ERRFD is a pipe the client reads to its end:
-    nothing when the exec succeeded (the descriptor closes on exec), else
-    ``ERRNO:STRERROR`` and exit status :data:`EXIT_CANNOT_EXEC`. Exit 2 on a
+    engine (stdin ``/dev/null``). ERRFD is a pipe the client reads to its end
+    (it closes on exec): ``+`` once this program runs, then, if anything
+    failed before the exec, ``ERRNO:STRERROR`` (``0:TYPE: MESSAGE`` for an
+    error without errno) and exit status :data:`EXIT_CANNOT_EXEC`. Exit 2 on a
     malformed command line."""
-    if len(argv) < 4 or argv[2] != "--":
+    if len(argv) < 4 or argv[2] != "--" or not argv[1].isdigit():
         sys.stderr.write("zmqdispatch watchdog: usage: GRACE ERRFD -- ENGINE_ARGV...\n")
         os._exit(2)
-    grace, err_fd, engine_argv = float(argv[0]), int(argv[1]), argv[3:]
-    os.set_inheritable(err_fd, False)  # closed by the exec: the client's "it started"
-    engine_pid = os.getpid()
-    if os.fork() == 0:
-        try:
-            os.close(err_fd)
-            _watch(0, engine_pid, grace)
-        finally:
-            os._exit(1)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)  # the engine does not hold the client's pipe
-    os.close(devnull)
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python's startup, as subprocess restores them
-        signal.signal(sig, signal.SIG_DFL)
+    err_fd, engine_argv = int(argv[1]), argv[3:]
+    os.write(err_fd, b"+")
     try:
+        grace = float(argv[0])
+        os.set_inheritable(err_fd, False)  # closed by the exec: the client's "it started"
+        engine_pid = os.getpid()
+        if os.fork() == 0:
+            try:
+                os.close(err_fd)
+                _watch(0, engine_pid, grace)
+            finally:
+                os._exit(1)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # the engine does not hold the client's pipe
+        os.close(devnull)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python's startup, as subprocess restores them
+            signal.signal(sig, signal.SIG_DFL)
         os.execvp(engine_argv[0], engine_argv)
-    except OSError as exc:
-        os.write(err_fd, f"{exc.errno}:{exc.strerror}".encode())
+    except BaseException as exc:  # everything goes to the client
+        if isinstance(exc, OSError) and exc.errno:
+            report = f"{exc.errno}:{exc.strerror}"
+        else:
+            report = f"0:{type(exc).__name__}: {exc}"
+        os.write(err_fd, report.encode(errors="replace"))
         os._exit(EXIT_CANNOT_EXEC)
 
 

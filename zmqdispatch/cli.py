@@ -682,8 +682,8 @@ WANTED_OPEN_FILES = 65536
 
 
 def _open_files_limit() -> str | None:
-    """Raise the soft open-files limit toward the hard one (as Go's runtime
-    and vLLM's server do); a one-line complaint if what is left is below
+    """Raise the soft open-files limit toward the hard one (as vLLM's server
+    does; a launched engine inherits it); a one-line complaint if what is left is below
     :data:`MIN_OPEN_FILES`, else ``None``."""
     try:
         import resource  # POSIX only
@@ -704,12 +704,30 @@ def _open_files_limit() -> str | None:
 
 
 def _out_of_files(exc: BaseException) -> bool:
-    """*exc*, or what it was raised from, is EMFILE / ENFILE (OSError or zmq.ZMQError)."""
-    while exc is not None:
-        if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):
+    """*exc*, what it was raised from or during, or a member of its group, is
+    EMFILE / ENFILE (OSError or zmq.ZMQError)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
             return True
-        exc = exc.__cause__  # type: ignore[assignment]
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend((e.__cause__, e.__context__))
     return False
+
+
+def _open_files_now() -> str:
+    try:
+        import resource  # POSIX only
+    except ImportError:  # pragma: no cover
+        return "?"
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -731,7 +749,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         if _out_of_files(exc):
-            return _fail(EXIT_INTERNAL, f"out of file descriptors: {exc} (raise ulimit -n)")
+            return _fail(EXIT_INTERNAL, f"out of file descriptors: this process may open {_open_files_now()} "
+                                        "files (ulimit -n) and needs more; raise the limit")
         return _fail(EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc} "
                                     f"(a bug; re-run with {DEBUG_ENV}=1 for the traceback)")
 

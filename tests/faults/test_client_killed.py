@@ -144,7 +144,7 @@ async def test_a_stopped_engine_is_resumed_to_act_on_the_sigterm():
 async def test_the_engine_keeps_its_exit_status_and_its_signals():
     with trio.fail_after(GUARD):
         with watchdog(5, "sh", "-c", "exit 3") as (proc, err):
-            assert await wait(proc) == 3 and os.read(err, 100) == b""
+            assert await wait(proc) == 3 and os.read(err, 100) == b"+"  # it ran; the exec succeeded
         with watchdog(5, "sh", "-c", "kill -USR1 $$") as (proc, _):
             assert await wait(proc) == -signal.SIGUSR1
         # SIGTERM to the pid reaches the engine itself (how terminate() stops it)
@@ -172,7 +172,7 @@ async def test_a_command_that_cannot_be_executed_is_reported_on_the_error_pipe_a
     with watchdog(5, os.devnull) as (proc, err):
         with trio.fail_after(GUARD):
             assert await wait(proc) == EXIT_CANNOT_EXEC
-        assert os.read(err, 100) == f"{errno.EACCES}:{os.strerror(errno.EACCES)}".encode()
+        assert os.read(err, 100) == f"+{errno.EACCES}:{os.strerror(errno.EACCES)}".encode()
 
 
 @pytest.mark.parametrize("command, said", [
@@ -232,3 +232,11 @@ async def test_a_launch_that_cannot_start_its_python_raises_and_leaves_no_descri
     with pytest.raises(EngineHandshakeError, match=r"cannot start engine command 'true': .*/nonexistent/python"):
         await lifecycle.launch(["true"], "ipc:///nowhere", None, 1.0)
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+async def test_a_watchdog_python_that_does_not_run_it_is_named_in_the_error(monkeypatch):
+    monkeypatch.setattr(lifecycle, "_watchdog_python", lambda: "/bin/false")  # runs, ignores its arguments
+    with trio.fail_after(GUARD), pytest.raises(EngineHandshakeError) as ei:
+        await lifecycle.launch(["true"], "ipc:///nowhere", None, 1.0)
+    assert str(ei.value) == ("cannot start engine command 'true': the launch watchdog's Python '/bin/false' "
+                             "exited with code 1 before running it")

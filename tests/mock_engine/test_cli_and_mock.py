@@ -104,6 +104,29 @@ def test_a_hard_open_files_limit_too_low_exits_1_with_one_line_that_names_it(com
                                      "files (ulimit -n; hard limit 20); zmqdispatch needs at least 64"]
 
 
+def test_out_of_files_is_found_inside_groups_and_chains():
+    import errno
+
+    import zmq
+
+    from zmqdispatch import cli
+
+    def raised_during(inner: BaseException, outer: BaseException) -> BaseException:
+        try:
+            try:
+                raise inner
+            except BaseException:
+                raise outer  # noqa: B904 - the implicit context is what is tested
+        except BaseException as exc:
+            return exc
+
+    emfile = zmq.ZMQError(errno.EMFILE)
+    assert cli._out_of_files(emfile) and cli._out_of_files(OSError(errno.ENFILE, "x"))
+    assert cli._out_of_files(ExceptionGroup("g", [ValueError(), ExceptionGroup("h", [emfile])]))
+    assert cli._out_of_files(raised_during(emfile, RuntimeError("while handling it")))
+    assert not cli._out_of_files(ExceptionGroup("g", [OSError(errno.ENOENT, "x"), ValueError()]))
+
+
 def test_a_low_soft_open_files_limit_is_raised_to_the_hard_one():
     def low_soft_limit() -> None:
         import resource
