@@ -81,3 +81,19 @@ GUARD = 30
 def tokenspeed_pair(**kw: Any) -> AbstractAsyncContextManager[tuple[Any, Any]]:
     """``open_mock_engine_pair`` with the TokenSpeed mock."""
     return open_mock_engine_pair(runtime="tokenspeed", **kw)
+
+
+#: An engine command (``python -c ENGINE_WITH_STUBBORN_WORKER INFO ADDRESS
+#: [MOCK-ENGINE ARGS...]``): starts a worker in its process group that ignores
+#: SIGTERM (as a wedged vLLM worker would), writes "ENGINE_PID PGID WORKER_PID"
+#: to INFO, then becomes a mock engine dialing ADDRESS with the extra arguments.
+ENGINE_WITH_STUBBORN_WORKER = r"""
+import os, subprocess, sys
+info, address = sys.argv[1], sys.argv[2]
+worker = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 600"])
+with open(info + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {os.getpgrp()} {worker.pid}")
+os.rename(info + ".tmp", info)
+os.execv(sys.executable, [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", address,
+                          *sys.argv[3:]])
+"""

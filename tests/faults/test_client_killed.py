@@ -30,31 +30,20 @@ from zmqdispatch._engine_lifecycle import WATCHDOG_PATH
 from zmqdispatch._launch_watchdog import EXIT_CANNOT_EXEC
 from zmqdispatch.testing import live_group_members, proc_state
 
-from ..helpers import GUARD
+from ..helpers import ENGINE_WITH_STUBBORN_WORKER, GUARD
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux 5.3+)")
 
-# The engine: records its pid, its group and a worker's pid (the worker ignores
-# SIGTERM, as a wedged vLLM worker would), then becomes a mock engine.
-ENGINE = r"""
-import os, subprocess, sys
-info, address = sys.argv[1], sys.argv[2]
-worker = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 600"])
-with open(info + ".tmp", "w") as f:
-    f.write(f"{os.getpid()} {os.getpgrp()} {worker.pid}")
-os.rename(info + ".tmp", info)
-os.execv(sys.executable, [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", address,
-                          "--data-parallel-size", sys.argv[3]])
-"""
-
-# The client: launches ENGINE, says "connected" once the handshake is done, then waits.
+# The client: launches the engine script it is given (its extra arguments: the
+# ranks), says "connected" once the handshake is done, then waits.
 CLIENT = r"""
 import sys, trio
 from zmqdispatch import ClientConfig, connect
 
 async def main():
     size = int(sys.argv[4])
-    async with connect(launch=[sys.executable, "-c", sys.argv[1], sys.argv[2], "{handshake_address}", str(size)],
+    async with connect(launch=[sys.executable, "-c", sys.argv[1], sys.argv[2], "{handshake_address}",
+                               "--data-parallel-size", str(size)],
                        config=ClientConfig(terminate_grace=float(sys.argv[3])),
                        data_parallel_size=size if size > 1 else None):
         print("connected", flush=True)
@@ -80,7 +69,8 @@ async def exited(pid: int) -> None:
 async def test_a_sigkilled_client_takes_its_launched_engine_and_the_engine_group_with_it(tmp_path, data_parallel_size):
     info = tmp_path / "engine"
     client = await trio.lowlevel.open_process(
-        [sys.executable, "-c", CLIENT, ENGINE, str(info), "1.0", str(data_parallel_size)], stdout=subprocess.PIPE)
+        [sys.executable, "-c", CLIENT, ENGINE_WITH_STUBBORN_WORKER, str(info), "1.0", str(data_parallel_size)],
+        stdout=subprocess.PIPE)
     try:
         with trio.fail_after(GUARD):
             assert client.stdout is not None

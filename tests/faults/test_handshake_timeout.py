@@ -22,20 +22,7 @@ import trio
 from zmqdispatch import ClientConfig, EngineHandshakeTimeout, connect
 from zmqdispatch.testing import live_group_members, proc_state
 
-from ..helpers import GUARD
-
-# Starts a worker in its own process group that ignores SIGTERM, records both
-# pids, then becomes a mock engine that never sends READY.
-WRAPPER = r"""
-import os, subprocess, sys
-info, address = sys.argv[1], sys.argv[2]
-worker = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 600"])
-with open(info + ".tmp", "w") as f:
-    f.write(f"{os.getpid()} {os.getpgrp()} {worker.pid}")
-os.rename(info + ".tmp", info)
-os.execv(sys.executable, [sys.executable, "-m", "zmqdispatch", "mock-engine",
-                          "--handshake-address", address, "--fault", "no-ready"])
-"""
+from ..helpers import ENGINE_WITH_STUBBORN_WORKER, GUARD
 
 
 async def test_handshake_timeout_kills_the_spawned_engine_and_its_whole_process_group(tmp_path):
@@ -44,7 +31,8 @@ async def test_handshake_timeout_kills_the_spawned_engine_and_its_whole_process_
     with trio.fail_after(GUARD):
         t0 = time.monotonic()
         with pytest.raises(EngineHandshakeTimeout) as ei:
-            async with connect(launch=[sys.executable, "-c", WRAPPER, str(info), "{handshake_address}"],
+            async with connect(launch=[sys.executable, "-c", ENGINE_WITH_STUBBORN_WORKER, str(info),
+                                       "{handshake_address}", "--fault", "no-ready"],
                                config=ClientConfig(handshake_timeout=timeout, terminate_grace=grace)):
                 pass  # pragma: no cover
         elapsed = time.monotonic() - t0
