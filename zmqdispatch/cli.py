@@ -25,8 +25,7 @@ Exit status: 0 the generate completed; 2 the client rejected the request
 (SIGINT), 143 terminated (SIGTERM): both stop a launched engine first; 141
 stdout closed or unwritable (the request is aborted); 1 an
 internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback) or out of
-file descriptors. Failures
-print one line on stderr, no traceback.
+file descriptors. Failures print one line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -683,8 +682,8 @@ WANTED_OPEN_FILES = 65536
 
 def _open_files_limit() -> str | None:
     """Raise the soft open-files limit toward the hard one (as vLLM's server
-    does; a launched engine inherits it); a one-line complaint if what is left is below
-    :data:`MIN_OPEN_FILES`, else ``None``."""
+    does; a launched engine inherits it); a one-line complaint if what is left
+    is below :data:`MIN_OPEN_FILES`, else ``None``."""
     try:
         import resource  # POSIX only
     except ImportError:  # pragma: no cover
