@@ -6,7 +6,8 @@
   process: :func:`format_launch`, :func:`launch` (under
   :mod:`zmqdispatch._launch_watchdog`), :func:`terminate`;
 - the version guard on an engine's ready response: :func:`check_version`;
-- the one error a shell's nursery failure stands for: :func:`unwrap`.
+- the one error a shell's nursery failure stands for: :func:`unwrap` (over
+  :func:`leaves`, which the command line also reads).
 
 In-package names: nothing here is part of the public API (``zmqdispatch.__all__``).
 """
@@ -28,7 +29,7 @@ from .errors import EngineHandshakeError
 from .protocol.versions import EngineVersion, check_engine_version
 from .wire import vllm_handshake as wire
 
-__all__ = ["check_version", "format_launch", "launch", "terminate", "unwrap"]
+__all__ = ["check_version", "format_launch", "launch", "leaves", "terminate", "unwrap"]
 
 _log = logging.getLogger("zmqdispatch.client")
 
@@ -174,13 +175,13 @@ def _kill_group(proc: trio.Process) -> None:
 def _reap_group(pgid: int) -> None:
     """Reap every child of ours in process group *pgid* (blocking; they were
     SIGKILLed). Returns at once when there is none."""
-    while hasattr(os, "waitid"):  # not on macOS
+    if not hasattr(os, "waitid"):  # macOS
+        return
+    while True:
         try:
             os.waitid(os.P_PGID, pgid, os.WEXITED)
         except ChildProcessError:
             return
-        except InterruptedError:  # pragma: no cover
-            continue
 
 
 async def terminate(proc: trio.Process, grace: float) -> None:
@@ -240,9 +241,10 @@ def check_version(ready: wire.EngineCoreReadyResponse, *, allow_unknown: bool) -
     return version
 
 
-def _leaves(e: BaseException) -> list[BaseException]:
+def leaves(e: BaseException) -> list[BaseException]:
+    """The exceptions of *e* that are not groups (*e* itself if it is none)."""
     if isinstance(e, BaseExceptionGroup):
-        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+        return [leaf for sub in e.exceptions for leaf in leaves(sub)]
     return [e]
 
 
@@ -254,10 +256,10 @@ def unwrap(eg: BaseExceptionGroup[BaseException]) -> BaseException:
     (and any ``except trio.Cancelled``) sees what it expects. Several real
     errors stay a group.
     """
-    leaves = _leaves(eg)
-    errors = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    found = leaves(eg)
+    errors = [e for e in found if not isinstance(e, trio.Cancelled)]
     if len(errors) == 1:
         return errors[0]
-    if not errors and leaves:
-        return leaves[0]
+    if not errors and found:
+        return found[0]
     return eg

@@ -44,6 +44,11 @@ from contextlib import AbstractAsyncContextManager
 from types import ModuleType
 from typing import NoReturn, cast
 
+try:
+    import resource  # POSIX only: the open-files limit
+except ImportError:  # pragma: no cover
+    resource = None  # type: ignore[assignment]
+
 import trio
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
@@ -53,7 +58,7 @@ from . import __version__
 from .addresses import check_address
 from . import _cli_logging
 from . import _cli_requests
-from ._engine_lifecycle import unwrap
+from ._engine_lifecycle import leaves, unwrap
 from .client import ClientConfig, EngineClient, connect
 from .errors import (
     AddressBindError,
@@ -684,9 +689,7 @@ def _open_files_limit() -> str | None:
     """Raise the soft open-files limit toward the hard one (as vLLM's server
     does; a launched engine inherits it); a one-line complaint if what is left
     is below :data:`MIN_OPEN_FILES`, else ``None``."""
-    try:
-        import resource  # POSIX only
-    except ImportError:  # pragma: no cover
+    if resource is None:  # pragma: no cover - not POSIX
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
@@ -703,28 +706,20 @@ def _open_files_limit() -> str | None:
 
 
 def _out_of_files(exc: BaseException) -> bool:
-    """*exc*, what it was raised from or during, or a member of its group, is
-    EMFILE / ENFILE (OSError or zmq.ZMQError)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
-            return True
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        todo.extend((e.__cause__, e.__context__))
+    """A leaf of *exc* (:func:`._engine_lifecycle.leaves`), or what a leaf was
+    raised from or during, is EMFILE / ENFILE (OSError or zmq.ZMQError)."""
+    for leaf in leaves(exc):
+        e: BaseException | None = leaf
+        while e is not None:
+            if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                return True
+            e = e.__cause__ or e.__context__
     return False
 
 
 def _open_files_now() -> str:
-    try:
-        import resource  # POSIX only
-    except ImportError:  # pragma: no cover
-        return "?"
+    if resource is None:  # pragma: no cover - not POSIX
+        return "a limited number of"
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
 
