@@ -54,7 +54,7 @@ async def main() -> None:
             # 50 tokens take about a second at 20 ms a step: a 0.3 s total limit stops it
             nursery.start_soon(run, "too-long", 50, Deadlines(total=0.3))
 
-        stats = client.stats()
+        stats = client.stats()[client.engine_index]  # one EngineStats per engine, by engine_index
         ttft, itl = stats.time_to_first_token, stats.inter_token_latency
         print(f"engine {stats.engine_index} ({stats.runtime}) {stats.state}: {stats.requests} requests, "
               f"finishes {dict(stats.finishes)}, aborts {stats.aborts}, "

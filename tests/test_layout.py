@@ -55,11 +55,13 @@ def _within(name: str, part: str) -> bool:
 
 
 class Row:
-    def __init__(self, paths: list[str], allowed: set[str], everything: bool, sans_io: bool, line: str):
+    def __init__(self, paths: list[str], allowed: set[str], everything: bool, sans_io: bool, line: str,
+                 shell: bool = False):
         self.paths = paths
         self.allowed = allowed
         self.everything = everything
         self.sans_io = sans_io
+        self.shell = shell
         self.line = line
 
 
@@ -92,7 +94,8 @@ def _parse_table() -> list[Row]:
             for above in rows:
                 allowed.update(above.paths)
         everything = bool(re.fullmatch(r"everything", may))
-        rows.append(Row(paths, allowed, everything, cells[1].startswith("sans-IO"), line))
+        rows.append(Row(paths, allowed, everything, cells[1].startswith("sans-IO"), line,
+                        shell=cells[1].startswith("the trio shell")))
     return rows
 
 
@@ -213,3 +216,27 @@ def test_only_the_wrapper_calls_pyzmq(module):
     _, _, tree = _imports(module, MODULES[module])
     bad = _zmq_calls(tree)
     assert not bad, f"{module} calls pyzmq outside zmqdispatch/_zmq_trio.py: {bad}"
+
+
+def test_the_trio_shell_is_named_in_the_table():
+    shell = {p for row in ROWS if row.shell for p in row.paths}
+    assert f"{PKG}.shell" in shell and f"{PKG}.client" in shell, shell
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_the_trio_shell_imports_no_pyzmq(module):
+    row = _row_of(module)
+    if row is None or not row.shell:
+        return
+    _, others, _ = _imports(module, MODULES[module])
+    assert "zmq" not in others, f"{module} is the trio shell but imports pyzmq (use zmqdispatch._zmq_trio)"
+
+
+#: The longest a module of the package may be (docs/layout.md).
+MAX_MODULE_LINES = 800
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_is_over_the_line_limit(module):
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{module} has {lines} lines (at most {MAX_MODULE_LINES}: split it)"

@@ -4,7 +4,7 @@ Public API (vLLM v1 EngineCore wire, vLLM 0.32 / 0.33; TokenSpeed 0.1.1)::
 
     from zmqdispatch import VllmTranslationConfig, connect, translate_vllm_request
 
-    async with connect(handshake_address, launch=...) as client:
+    async with connect(handshake_address, launch=...) as client:   # one engine or many
         t = translate_vllm_request(proto_request, VllmTranslationConfig(max_model_len=client.max_model_len))
         async with client.generate(t.request) as stream:      # one request
             async for delta in stream:
@@ -14,9 +14,11 @@ Public API (vLLM v1 EngineCore wire, vLLM 0.32 / 0.33; TokenSpeed 0.1.1)::
 (many requests, one reader) are the other two streams (``docs/usage.md``).
 
 Layout: ``wire/`` sans-IO codecs; ``protocol/`` sans-IO per-engine state
-(request table, mailboxes, aborts, death); ``translate/`` gateway protos <->
-wire; ``_zmq_trio`` the only module that calls pyzmq; ``client`` the trio
-shell; ``mock/`` the mock engine program; ``testing/`` scripted fakes.
+(request table, mailboxes, aborts, death, placement); ``translate/`` gateway
+protos <-> wire; ``_zmq_trio`` the only module that calls pyzmq; ``shell``
+the trio shell (``connect``), ``connection`` one engine's tasks, ``client``
+the one client, ``engine`` one engine's handle; ``mock/`` the mock engine
+program; ``testing/`` scripted fakes.
 """
 
 import logging as _logging
@@ -25,7 +27,9 @@ from importlib import metadata as _metadata
 # The public names. Everything a gateway needs comes from here; the
 # submodules hold the rest (wire codecs, the sans-IO core, the mock engine).
 from . import errors
-from .client import ClientConfig, EngineClient, EngineSession, LoRARequest, connect
+from .client import EngineClient, LoRARequest
+from .config import ClientConfig, EngineSession
+from .engine import Engine
 from .errors import (
     AddressBindError,
     AddressError,
@@ -54,12 +58,14 @@ from .errors import (
     ZmqDispatchError,
 )
 from .metrics import EngineStats
-from .multi import ADDRESS_INDEX_STRIDE, MultiEngineClient, connect_engines
+from .multi import MultiEngineClient, connect_engines
 from .protocol.deadlines import Deadlines
 from .protocol.engines import EngineState, EngineStatus
+from .protocol.handshake import ADDRESS_INDEX_STRIDE
 from .protocol.mailbox import OutputDelta
 from .protocol.placement import EngineLoad
 from .protocol.runtime import Runtime
+from .shell import connect
 from .streams import (
     EngineRequest,
     GroupItem,
@@ -100,6 +106,7 @@ __all__ = [  # every public name, written out (static tools read this list)
     "DeadlineExceeded",
     "Deadlines",
     "DuplicateRequestIdError",
+    "Engine",
     "EngineAbortedRequest",
     "EngineClient",
     "EngineDeadError",
@@ -119,7 +126,7 @@ __all__ = [  # every public name, written out (static tools read this list)
     "InvalidAddressError",
     "LoRARequest",
     "LocalProtocolError",
-    "MultiEngineClient",
+    "MultiEngineClient",  # alias of EngineClient, this release only
     "NoEngineAvailableError",
     "OutputDelta",
     "RemoteProtocolError",
@@ -144,7 +151,7 @@ __all__ = [  # every public name, written out (static tools read this list)
     "ZmqDispatchError",
     "__version__",
     "connect",
-    "connect_engines",
+    "connect_engines",  # alias of connect, this release only
     "errors",
     "tokenspeed_pb",
     "translate_tokenspeed_request",

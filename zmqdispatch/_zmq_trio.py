@@ -30,6 +30,7 @@ progress before its deadline becomes :class:`SendTimeout`.
 
 from __future__ import annotations
 
+import enum
 import errno
 import math
 import uuid
@@ -47,6 +48,8 @@ _T = TypeVar("_T")
 __all__ = [
     "PeerUnreachable",
     "SendTimeout",
+    "SocketKind",
+    "MonitorEvent",
     "TrioSocket",
     "ZmqContext",
     "HANDSHAKE_FAILED_EVENTS",
@@ -55,6 +58,27 @@ __all__ = [
 
 _NOBLOCK = zmq.NOBLOCK
 _POLLOUT = zmq.POLLOUT
+
+
+class SocketKind(enum.IntEnum):
+    """The socket types the wire uses (libzmq's numbers), for :meth:`ZmqContext.socket`."""
+
+    ROUTER = zmq.ROUTER
+    DEALER = zmq.DEALER
+    PULL = zmq.PULL
+    PUSH = zmq.PUSH
+
+
+class MonitorEvent(enum.IntFlag):
+    """The monitor events the shells watch (libzmq's ``ZMQ_EVENT_*`` bits), for
+    :meth:`TrioSocket.monitor` and what :func:`parse_monitor_event` returns."""
+
+    ACCEPTED = zmq.EVENT_ACCEPTED
+    DISCONNECTED = zmq.EVENT_DISCONNECTED
+    HANDSHAKE_SUCCEEDED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+    HANDSHAKE_FAILED_NO_DETAIL = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    HANDSHAKE_FAILED_PROTOCOL = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    HANDSHAKE_FAILED_AUTH = zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 class PeerUnreachable(Exception):
@@ -108,7 +132,7 @@ class ZmqContext:
         """Create a socket (not yet bound or connected), wrapped for trio.
 
         Args:
-            kind: ``zmq.ROUTER``, ``zmq.PULL``, ``zmq.DEALER`` or ``zmq.PUSH``.
+            kind: a :class:`SocketKind` (or the same libzmq number, ``zmq.ROUTER`` ...).
             name: shown in errors and ``repr``.
             identity: routing identity for a DEALER (vLLM: engine index, 2 bytes LE).
             router_mandatory: raise EHOSTUNREACH instead of silently dropping.
@@ -372,8 +396,8 @@ class TrioSocket:
         return self._sock
 
     def monitor(self, events: int, *, name: str) -> TrioSocket:
-        """A PAIR socket receiving this socket's monitor events (``zmq.EVENT_*``
-        bit mask). Call before any task waits on this socket. Decode messages
+        """A PAIR socket receiving this socket's monitor events (a
+        :class:`MonitorEvent` mask, or ``zmq.EVENT_*`` bits). Call before any task waits on this socket. Decode messages
         with :func:`parse_monitor_event`."""
         # A unique inproc address: pyzmq's default is derived from the fd
         # number, which the next socket reuses while a lingering closed socket
@@ -395,7 +419,8 @@ class TrioSocket:
 #: Every monitor event of a connection that failed its ZMTP handshake (libzmq
 #: emits one right before that connection's ``EVENT_DISCONNECTED``).
 HANDSHAKE_FAILED_EVENTS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    MonitorEvent.HANDSHAKE_FAILED_NO_DETAIL | MonitorEvent.HANDSHAKE_FAILED_PROTOCOL
+    | MonitorEvent.HANDSHAKE_FAILED_AUTH
 )
 
 

@@ -59,7 +59,9 @@ from .addresses import check_address
 from . import _cli_logging
 from . import _cli_requests
 from ._engine_lifecycle import leaves, unwrap
-from .client import ClientConfig, EngineClient, connect
+from .client import EngineClient
+from .config import ClientConfig
+from .shell import connect
 from .errors import (
     AddressBindError,
     EngineError,
@@ -596,7 +598,7 @@ def _connect(args: argparse.Namespace) -> AbstractAsyncContextManager[EngineClie
     else:
         launch = _mock_launch_argv(args)
     return connect(args.handshake_address, launch=launch, config=config, runtime=args.runtime,
-                   data_parallel_size=args.data_parallel_size)
+                   data_parallel_size=args.data_parallel_size or 1)
 
 
 def _deadlines(args: argparse.Namespace) -> Deadlines:

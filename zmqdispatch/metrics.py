@@ -1,7 +1,8 @@
 """Metrics: a typed snapshot per engine link, and an optional Prometheus exporter.
 
-``EngineClient.stats()`` returns an :class:`EngineStats`: immutable, cheap to
-take (a few small copies), safe to keep. The counters behind it are plain
+``EngineClient.stats()`` returns an :class:`EngineStats` per engine, by
+``engine_index`` (``Engine.stats()`` one engine's): immutable, cheap to take
+(a few small copies), safe to keep. The counters behind it are plain
 integer increments on paths that already run per request or per output
 message (``zmqdispatch.protocol.stats``), so they are always on.
 
@@ -94,7 +95,7 @@ class HistogramSnapshot:
 
 @attrs.frozen(kw_only=True)
 class EngineStats:
-    """One engine link's counters at one moment (``EngineClient.stats()``).
+    """One engine link's counters at one moment (``Engine.stats()``; ``EngineClient.stats()`` has one per engine).
 
     Attributes:
         engine_index: the engine's DP rank (``data_parallel_rank``).
@@ -147,7 +148,7 @@ class EngineStats:
 
     @classmethod
     def of(cls, client: Any) -> EngineStats:
-        """The snapshot of *client* (an ``EngineClient``) now."""
+        """The snapshot of *client* (an :class:`~zmqdispatch.Engine`) now."""
         p = client.protocol
         st = p.stats
         death = p.death or p.gone
@@ -254,7 +255,7 @@ class StatsCollector:
         clients = list(self._clients)
         extra = sorted(clients[0][1]) if clients else []
         label = ["engine_index", *extra]
-        rows = [(c.stats(), lab) for c, lab in clients]
+        rows = [(s, lab) for c, lab in clients for s in c.stats().values()]
         keyed = [(s, [str(s.engine_index), *(lab[k] for k in extra)]) for s, lab in rows]
         for name, attr, help_text in _COUNTERS:
             fam = CounterMetricFamily(name, help_text, labels=label)

@@ -150,7 +150,7 @@ async def test_in_a_fan_out_it_fails_the_parent_and_aborts_the_siblings(monkeypa
 
 
 def test_the_send_slice_follows_the_length_of_the_loops_passes(monkeypatch):
-    from zmqdispatch.client import send_slice
+    from zmqdispatch.connection import send_slice
 
     monkeypatch.setattr(limits, "SEND_SLICE_SECONDS", 0.001)
     monkeypatch.setattr(limits, "SEND_SLICE_SHARE", 0.25)

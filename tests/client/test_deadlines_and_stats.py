@@ -1,4 +1,4 @@
-"""Per-request deadlines, client.stats() and the Prometheus collector against a
+"""Per-request deadlines, client.engine().stats() and the Prometheus collector against a
 scripted fake engine over real sockets; virtual time (MockClock, autojump)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ async def test_first_token_deadline_aborts_on_the_engine_and_raises_a_typed_erro
             assert isinstance(exc, RequestError) and isinstance(exc, TimeoutError)
             assert exc.limit == "first_token" and exc.seconds == 5.0 and exc.request_id == "r1"
             assert await engine.receive_abort() == ("r1",)
-            stats = client.stats()
+            stats = client.engine().stats()
             assert dict(stats.deadlines_exceeded) == {"first_token": 1} and stats.aborts == 1
             assert client.is_alive  # one request failed, not the engine
 
@@ -71,7 +71,7 @@ async def test_total_deadline_and_a_request_that_finishes_in_time(mock_clock):
                         await trio.sleep(1.0)
                 assert ei.value.limit == "total" and ei.value.elapsed == pytest.approx(10.0, abs=0.2)
             assert await engine.receive_abort() == ("long",)
-            assert dict(client.stats().deadlines_exceeded) == {"total": 1}
+            assert dict(client.engine().stats().deadlines_exceeded) == {"total": 1}
 
 
 async def test_an_earlier_deadline_submitted_later_wakes_the_one_timer_task(mock_clock):
@@ -121,7 +121,7 @@ async def test_deadlines_of_the_wrong_type_are_refused_before_anything_is_sent()
         async with client.stream_group() as group:
             with pytest.raises(RequestRejected):
                 group.generate(make_request("r2"), deadlines=5)
-        assert client.stats().requests == 0
+        assert client.engine().stats().requests == 0
 
 
 async def test_stats_snapshot_after_a_request(mock_clock):
@@ -136,9 +136,9 @@ async def test_stats_snapshot_after_a_request(mock_clock):
                     await trio.sleep(0.25)
                 await engine.send_tokens("r1", [9], finish=wire.FinishReason.LENGTH)
                 await stream.receive()
-            live = client.stats()
+            live = client.engine().stats()
     assert live.state == "ready" and live.death_reason is None
-    s = client.stats()  # after the client closed
+    s = client.engine().stats()  # after the client closed
     assert isinstance(s, EngineStats)
     assert (s.engine_index, s.runtime, s.requests, s.in_flight) == (0, "vllm", 1, 0)
     assert dict(s.finishes) == {"length": 1} and s.output_messages == 5
@@ -204,17 +204,17 @@ def test_prometheus_collector_tells_engines_of_the_same_index_apart_by_extra_lab
         def __init__(self, requests: int) -> None:
             self.requests = requests
 
-        def stats(self) -> EngineStats:
+        def stats(self) -> dict[int, EngineStats]:
             from zmqdispatch.metrics import HistogramSnapshot
 
             h = HistogramSnapshot(bounds=(0.1,), counts=(0, 0), sum=0.0, count=0)
-            return EngineStats(
+            return {0: EngineStats(
                 engine_index=0, runtime="vllm", state="ready", death_reason=None, in_flight=0,
                 pending_utility_calls=0, requests=self.requests, finishes={}, aborts=0, abort_ids_sent=0,
                 decode_errors=0, deaths={}, output_drops=0, slow_consumers=0, renamed_requests=0,
                 unknown_outputs=0, deadlines_exceeded={}, output_messages=0, time_to_first_token=h,
                 inter_token_latency=h,
-            )
+            )}
 
     registry = prometheus_client.CollectorRegistry()
     collector = StatsCollector()
@@ -246,6 +246,7 @@ async def test_lifecycle_and_request_life_are_logged(caplog):
         "INFO zmqdispatch.client waiting for an engine at ipc://",
         "INFO zmqdispatch.client handshake: HELLO from engine identity 0000",
         "INFO zmqdispatch.client engine 0 ready (identity 0000): vllm, version 0.32.0",
+        ", incarnation 0, input ipc://",
         "DEBUG zmqdispatch.protocol request 'r1': submitted to engine 0",
         "DEBUG zmqdispatch.protocol request 'r1': first token after",
         "DEBUG zmqdispatch.protocol request 'r1': finished, finish_reason=stop",
@@ -253,4 +254,6 @@ async def test_lifecycle_and_request_life_are_logged(caplog):
         "INFO zmqdispatch.protocol engine 0 dead (reason sentinel)",
     ):
         assert expected in text, expected
-    assert all(r.levelno < logging.WARNING for r in caplog.records), text
+    # The engine's death is the one warning: it leaves placement.
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("engine 0 out of placement (sentinel)"), text

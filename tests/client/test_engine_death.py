@@ -128,7 +128,7 @@ async def _input_closed_and_noticed(engine, client) -> None:
     """Close the engine's input connection and wait until the client has seen
     it (a death sign; a client without the drain declares the death here)."""
     engine.socks.input.close()
-    await client._ending.wait()
+    await client.engine()._ending.wait()
 
 
 @pytest.mark.parametrize("sentinel", [True, False])
@@ -174,10 +174,10 @@ async def test_an_input_disconnect_after_the_output_link_dropped_is_death_at_onc
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
             engine.socks.output.close()
-            while client._output_links:  # the client saw the output connection drop
+            while client.engine()._output_links:  # the client saw the output connection drop
                 await trio.sleep(0.01)
             engine.socks.input.close()
-            await client._ending.wait()
+            await client.engine()._ending.wait()
             t0 = trio.current_time()
             cause = await client.wait_dead()
             assert cause.reason == "disconnected" and trio.current_time() - t0 < limits.OUTPUT_DROP_GRACE
@@ -319,7 +319,7 @@ async def test_spawned_engine_exit_is_death_for_every_stream():  # K8
                 await s.__aenter__()
             for s in streams:
                 await s.receive()
-            client._process.kill()
+            client.process.kill()
             cause = await client.wait_dead()
             assert cause.reason == "process_exit"
             for s in streams:
@@ -339,7 +339,7 @@ async def test_leaving_with_a_stopped_spawned_engine_stops_it_with_sigterm_not_a
     with trio.fail_after(GUARD + 30):
         config = ClientConfig(handshake_timeout=30, terminate_grace=10.0)
         async with connect(launch=mock_argv(), config=config) as client:
-            proc = client._process
+            proc = client.process
             os.killpg(proc.pid, signal.SIGSTOP)
         assert proc.returncode == 0
 

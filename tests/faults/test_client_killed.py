@@ -45,7 +45,7 @@ async def main():
     async with connect(launch=[sys.executable, "-c", sys.argv[1], sys.argv[2], "{handshake_address}",
                                "--data-parallel-size", str(size)],
                        config=ClientConfig(terminate_grace=float(sys.argv[3])),
-                       data_parallel_size=size if size > 1 else None):
+                       data_parallel_size=size):
         print("connected", flush=True)
         await trio.sleep_forever()
 

@@ -94,7 +94,7 @@ async def test_default_addresses_are_in_one_private_0700_directory_removed_at_cl
             assert hs.startswith("ipc://")
             d = os.path.dirname(hs[len("ipc://"):])
             assert rec["isdir"] and rec["mode"] == 0o700 and rec["uid"] == os.geteuid()
-            for bound in (client._bound_input, client._bound_output):
+            for bound in (client.engine()._bound_input, client.engine()._bound_output):
                 assert bound.startswith("ipc://") and os.path.dirname(bound[len("ipc://"):]) == d
             assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
             async with client.generate(make_request("r", max_tokens=2)) as s:
@@ -202,7 +202,7 @@ async def test_a_live_clients_address_is_refused_without_disturbing_it():
     from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     async with fake_pair() as (engine, client):
-        for address in (client._bound_input, client._bound_output):
+        for address in (client.engine()._bound_input, client.engine()._bound_output):
             with pytest.raises(OSError) as ei:
                 await prepare_bind(address, grace=0.05)
             assert ei.value.errno == errno.EADDRINUSE
@@ -397,4 +397,4 @@ async def test_the_output_socket_is_capped_at_max_frame_bytes():
     from zmqdispatch.testing import open_fake_engine_pair as fake_pair
 
     async with fake_pair() as (engine, client):
-        assert client._conn._output._sock.getsockopt(zmq.MAXMSGSIZE) == limits.MAX_FRAME_BYTES
+        assert client.engine()._conn._output._sock.getsockopt(zmq.MAXMSGSIZE) == limits.MAX_FRAME_BYTES

@@ -97,7 +97,7 @@ async def test_sigkill_of_a_launched_engine_fails_1000_streams_within_1s():
         async with connect(launch=mock_argv("{handshake_address}", "--step-interval-ms", "100"),
                            config=ClientConfig(handshake_timeout=20)) as client:
             detected, last, outcomes = await kill_with_open_streams(
-                client, lambda: os.kill(client._process.pid, signal.SIGKILL)
+                client, lambda: os.kill(client.process.pid, signal.SIGKILL)
             )
             reasons = {errors[0][1].reason for errors, _ in outcomes.values()}
             assert reasons == {client.death.reason} and client.death.reason in ("process_exit", "disconnected")
@@ -114,7 +114,7 @@ async def test_sigkill_of_an_engine_started_elsewhere_fails_1000_streams_within_
     with trio.fail_after(GUARD):
         async with external_mock(hs, "--step-interval-ms", "100") as proc:
             async with connect(hs, config=ClientConfig(handshake_timeout=20)) as client:
-                assert client._process is None  # only the sockets tell
+                assert client.process is None  # only the sockets tell
                 detected, last, outcomes = await kill_with_open_streams(
                     client, lambda: os.kill(proc.pid, signal.SIGKILL)
                 )
@@ -149,7 +149,7 @@ async def test_a_stray_connection_to_the_input_socket_is_not_engine_death():
     async with fake_pair() as (engine, client):
         with trio.fail_after(GUARD):
             stray = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            stray.connect(client._bound_input[len("ipc://"):])
+            stray.connect(client.engine()._bound_input[len("ipc://"):])
             stray.close()
             await trio.sleep(0.3)
             assert client.is_alive, client.death

@@ -117,7 +117,7 @@ async def test_drops_in_a_row_never_kill_an_engine_that_reconnects(small_frames)
                 drops = client.protocol.output_drops
                 await engine.send_tokens("gone", BIG)
                 await engine.send_tokens("gone", BIG)
-                while client.protocol.output_drops == drops or not client._output_links:
+                while client.protocol.output_drops == drops or not client.engine()._output_links:
                     await trio.sleep(0.01)  # waits for a drop and the reconnect to be seen
             # longer than the reconnect grace after the first drop
             with trio.move_on_after(limits.OUTPUT_RECONNECT_GRACE + 0.5):
@@ -137,11 +137,11 @@ async def test_a_stray_connection_to_the_output_socket_fails_nothing():
                 await engine.receive_add()
                 for payload in (b"", b"not zmtp at all" * 10):
                     stray = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    stray.connect(client._bound_output[len("ipc://"):])
+                    stray.connect(client.engine()._bound_output[len("ipc://"):])
                     if payload:
                         stray.send(payload)
                     stray.close()
-                while client.stray_output_connections < 2:
+                while client.engine().stray_output_connections < 2:
                     await trio.sleep(0.01)  # waits for both probes to be seen
                 await engine.send_tokens("r1", [5], finish=wire.FinishReason.STOP)
                 assert [d.token_ids async for d in s] == [[5]]

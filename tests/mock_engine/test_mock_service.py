@@ -157,11 +157,11 @@ async def test_the_mock_stops_on_a_signal_between_clients():
     with trio.fail_after(GUARD):
         async with external_mock(address) as proc:
             async with connect(address, config=ClientConfig(handshake_timeout=GUARD)) as client:
-                # the handshake ROUTER is closed once the engine is READY: the port is free
-                listener = await tcp_listener(port)
                 async with client.generate(make_request("a", max_tokens=2)) as s:
                     [d async for d in s]
-            await accept_one(listener)  # the client left: the mock dials for the next one
+            # the client left (its handshake ROUTER closed): the mock dials for the next one
+            listener = await tcp_listener(port)
+            await accept_one(listener)
             await stop(proc, signal.SIGTERM)
             await listener.aclose()
 
@@ -189,7 +189,7 @@ async def test_a_prompt_reaching_max_model_len_kills_the_vllm_mock_as_vllm_032(t
                 with pytest.raises(Exception, match=r"max_model_len|context"):
                     client.generate(too_long)
                 # ... so bypass it, as a client without that check would
-                client.check_request = lambda _request: None
+                client.engine().check_request = lambda _request: None  # type: ignore[method-assign]
                 with pytest.raises(EngineDeadError) as ei:
                     async with client.generate(too_long) as stream:
                         [d async for d in stream]

@@ -247,7 +247,7 @@ async def test_sigterm_of_a_launched_engine_ends_the_stream(vllm_py, model_dir):
         async with connect(launch=argv, config=ClientConfig(handshake_timeout=240)) as client:
             async with client.generate(make_request("t-long", prompt=[1, 2, 3], max_tokens=240)) as s:
                 await s.receive()
-                client._process.send_signal(signal.SIGTERM)
+                client.process.send_signal(signal.SIGTERM)
                 try:
                     toks, last = await collect(s)
                     assert last.finish_reason is wire.FinishReason.ABORT
@@ -268,7 +268,7 @@ async def test_leaving_a_launched_engine_mid_stream_stops_it_cleanly(vllm_py, mo
     with trio.fail_after(300):
         config = ClientConfig(handshake_timeout=240, terminate_grace=60)
         async with connect(launch=argv, config=config) as client:
-            process = client._process
+            process = client.process
             async with client.generate(make_request("t-left", prompt=[1, 2, 3], max_tokens=240)) as s:
                 await s.receive()
     assert process.returncode == 0

@@ -1,11 +1,11 @@
-"""The many-engine cells: one :class:`~zmqdispatch.MultiEngineClient` over N benchmark engines.
+"""The many-engine cells: one :class:`~zmqdispatch.EngineClient` over N benchmark engines.
 
 Run by the ``zmqdispatch`` runner (:mod:`.run_zmqdispatch`, a task per
 stream) for the cells of kind ``many_*`` (:mod:`.harness`'s cell table). Each
 cell starts its own fleet (:class:`Fleet`): N benchmark engine processes
 (:mod:`.engine`, one per ``engine_index`` 0..N-1, each with its own control
 socket and credit window) dialing one private handshake address, and
-``connect_engines(address, data_parallel_size=N)`` waiting for them, the way
+``connect(address, data_parallel_size=N)`` waiting for them, the way
 the ranks of ``vllm serve --headless --data-parallel-size N`` (independent,
 non-MoE ranks) dial one front end. The fleet is torn down when the cell ends.
 
@@ -42,7 +42,7 @@ import trio
 import trio.testing
 import zmq
 
-from .. import ClientConfig, EngineDeadError, EngineState, MultiEngineClient, connect_engines
+from .. import ClientConfig, EngineClient, EngineDeadError, EngineState, connect
 from ..wire import vllm as wire
 from . import _common as common
 
@@ -70,16 +70,16 @@ def _request(rid: str, prompt: list[int], max_tokens: int) -> wire.EngineCoreReq
 
 
 class Fleet:
-    """N benchmark engines behind one :class:`MultiEngineClient` (use :func:`open_fleet`).
+    """N benchmark engines behind one :class:`EngineClient` (use :func:`open_fleet`).
 
     Attributes:
         client: the client.
-        client_fds: file descriptors the client opened in this process (``connect_engines``).
+        client_fds: file descriptors the client opened in this process (``connect``).
         procs: the engine processes, by ``engine_index``.
         controls / ackers: each engine's control channel and credit channel, by ``engine_index``.
     """
 
-    def __init__(self, client: MultiEngineClient, procs: list[trio.Process], controls: list[common.Control],
+    def __init__(self, client: EngineClient, procs: list[trio.Process], controls: list[common.Control],
                  ackers: list[common.Acker], client_fds: int) -> None:
         self.client = client
         self.client_fds = client_fds
@@ -111,7 +111,7 @@ class Fleet:
 @asynccontextmanager
 async def open_fleet(engines: int, *, engine_args: Sequence[str] = ()) -> AsyncIterator[Fleet]:
     """Start *engines* benchmark engines dialing one handshake address and
-    connect a :class:`MultiEngineClient` to them (``silence_timeout`` off:
+    connect a :class:`EngineClient` to them (``silence_timeout`` off:
     the idle cells' streams get no output by design). On exit the client
     closes, then every engine still alive is stopped (its control ``stop``,
     then SIGTERM, then SIGKILL).
@@ -136,7 +136,7 @@ async def open_fleet(engines: int, *, engine_args: Sequence[str] = ()) -> AsyncI
             controls.append(common.Control(ctx, ctl))
         config = ClientConfig(handshake_timeout=60, silence_timeout=math.inf)
         fds = _fds()
-        async with connect_engines(address, data_parallel_size=engines, config=config) as client:
+        async with connect(address, data_parallel_size=engines, config=config) as client:
             fds = _fds() - fds
             # Each engine made its ack FIFO before it dialed: every one exists now.
             ackers.extend(common.Acker(c) for c in (tmp.ipc(f"e{i}/control.sock") for i in range(engines)))
@@ -279,12 +279,12 @@ async def _saturate(fleet: Fleet, cell: dict[str, Any], tag: str) -> dict[str, A
 async def many_sat(cell: dict[str, Any], client_name: str) -> dict[str, Any]:
     """Saturation (engines stepping as fast as their credit windows let
     them), C streams over ``cell["engines"]`` engines and over one engine (the
-    same ``MultiEngineClient``, ``data_parallel_size=1``), one after the other,
+    same ``EngineClient``, ``data_parallel_size=1``), one after the other,
     each on a fresh fleet; the order alternates with ``cell["round"]``.
 
     Figures: ``one_engine`` and ``many_engines`` (the throughput figures of a
     ``sat-c*`` cell, plus requests and request-ticks per engine and
-    ``client_fds``, the file descriptors ``connect_engines`` opened), and
+    ``client_fds``, the file descriptors ``connect`` opened), and
     ``ratio`` (many / one, request-ticks/s). Each engine's credit window is
     :func:`window_per_engine`.
     """

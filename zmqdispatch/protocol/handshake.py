@@ -26,6 +26,7 @@ then calls :meth:`Handshake.timer_fired`. Failures raise
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
@@ -33,7 +34,10 @@ from .. import limits
 from ..errors import EngineHandshakeError, EngineHandshakeTimeout, RemoteProtocolError
 from ..wire import vllm_handshake as wire  # only the handshake messages are used here
 
-__all__ = ["EngineHandshake", "Handshake", "HandshakeStep", "check_not_lockstep", "is_hello"]
+__all__ = [
+    "ADDRESS_INDEX_STRIDE", "EngineHandshake", "Handshake", "HandshakeStep", "HandshakeTable", "HelloVerdict",
+    "check_not_lockstep", "is_hello",
+]
 
 
 @attrs.define(slots=True)
@@ -280,3 +284,68 @@ def check_not_lockstep(ready: wire.EngineCoreReadyResponse, identity: bytes, *, 
             "zmqdispatch does not implement the wave protocol, so it serves only independent ranks "
             "(data_parallel_size 1 in each engine's ready response)"
         )
+
+
+#: The ``engine_index`` step between handshake addresses: an engine that dialed
+#: the k-th address (0-based, in the order given) has ``engine_index`` ``k *
+#: ADDRESS_INDEX_STRIDE + identity``. The identity is 2 bytes (vLLM: the DP rank;
+#: TokenSpeed: ``zmq_engine_index + dp_rank``), so no two addresses can collide,
+#: and the engines of the first (or only) address keep their identity as index.
+ADDRESS_INDEX_STRIDE = 1 << 16
+
+
+@attrs.frozen
+class HelloVerdict:
+    """What to do with one message on a handshake ROUTER (:meth:`HandshakeTable.classify`).
+
+    Attributes:
+        engine_index: the engine it belongs to.
+        refusal: why it is dropped (log it; the engine may dial again), or None.
+        restarted_mid_handshake: a HELLO from an engine whose handshake is under
+            way: it restarted; drop that attempt and start over.
+    """
+
+    engine_index: int
+    refusal: str | None = None
+    restarted_mid_handshake: bool = False
+
+
+@attrs.define
+class HandshakeTable:
+    """Which engine a handshake message belongs to, and whether it may start
+    a handshake: the shell's rules for every engine that dials, sans-IO.
+
+    Args:
+        max_pending: handshakes under way at once (``limits.MAX_PENDING_HANDSHAKES``,
+            or the engines waited for when more).
+        one_engine_only: the client's data-plane pair is fixed (one engine):
+            a HELLO from any engine but the first one seen is refused.
+    """
+
+    max_pending: int
+    one_engine_only: bool = False
+    _only_index: int | None = None
+
+    def classify(self, frames: list[bytes], base: int, pending: Mapping[int, object],
+                 members: Mapping[int, object]) -> HelloVerdict:
+        """Classify *frames* received on the handshake ROUTER of the address
+        whose index base is *base*, given the handshakes under way (*pending*)
+        and the engines served (*members*), both by ``engine_index``."""
+        identity = frames[0] if frames else b""
+        rank = int.from_bytes(identity, "little")
+        if rank >= ADDRESS_INDEX_STRIDE:
+            return HelloVerdict(-1, f"identity {identity.hex()} refused: an engine identity is 2 bytes (its rank)")
+        index = base + rank
+        under_way = index in pending
+        restarted = under_way and is_hello(frames)
+        if self.one_engine_only:
+            if self._only_index is None:
+                self._only_index = index
+            elif index != self._only_index:
+                return HelloVerdict(index, f"HELLO from identity {identity.hex()} refused: this client's fixed "
+                                           f"input/output addresses serve engine {self._only_index} only")
+        if (not under_way or restarted) and len(pending) - restarted >= self.max_pending:
+            return HelloVerdict(index, f"HELLO from identity {identity.hex()} refused: {len(pending)} handshakes "
+                                       "are under way, the most at once (limits.MAX_PENDING_HANDSHAKES); it may "
+                                       "dial again")
+        return HelloVerdict(index, restarted_mid_handshake=restarted)

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import trio
 
 from .._engine_lifecycle import unwrap
-from ..client import ClientConfig, EngineClient, connect
+from ..client import EngineClient
+from ..config import ClientConfig
+from ..shell import connect
 from ..wire import vllm_handshake
 from .dial import ready_response
 from .fake_engine import FakeEngine

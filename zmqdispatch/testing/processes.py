@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from ..client import ClientConfig
+from ..config import ClientConfig
 
 __all__ = ["external_mock", "fixed_addresses", "live_group_members", "mock_argv", "proc_state"]
 
