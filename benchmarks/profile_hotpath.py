@@ -41,7 +41,7 @@ from collections import Counter
 #: generated methods name their class ("<attrs generated methods trio._core...>").
 AREAS = [
     ("wire decode (zmqdispatch/wire)", r"zmqdispatch[/.]wire[/.]"),
-    ("routing (protocol/engine.py)", r"zmqdispatch[/.]protocol[/.]engine"),
+    ("routing (protocol/routing.py, engine.py)", r"zmqdispatch[/.]protocol[/.](routing|engine)"),
     ("mailbox merge/put/take + OutputDelta (protocol/mailbox.py)", r"zmqdispatch[/.]protocol[/.]mailbox"),
     ("client shell: pumps, _park (client.py)", r"zmqdispatch[/.]client"),
     ("socket recv (_zmq_trio.py)", r"zmqdispatch[/.]_zmq_trio"),
@@ -56,9 +56,9 @@ AREAS = [
 HOT = [
     ("output pump (EngineClient._output_pump)", "EngineClient._output_pump", r"client\.py"),
     ("  recv_batch (TrioSocket.recv_batch)", "TrioSocket.recv_batch", r"_zmq_trio\.py"),
-    ("  EngineProtocol.frames_received", "EngineProtocol.frames_received", r"protocol/engine\.py"),
+    ("  EngineProtocol.frames_received", "OutputRouting.frames_received", r"protocol/routing\.py"),
     ("    decode_outputs (msgpack + row checks)", "decode_outputs", r"wire/vllm\.py"),
-    ("    EngineProtocol._route", "EngineProtocol._route", r"protocol/engine\.py"),
+    ("    EngineProtocol._route", "OutputRouting._route", r"protocol/routing\.py"),
     ("      Mailbox.put (merge + wake)", "Mailbox.put", r"protocol/mailbox\.py"),
     ("        wake: the stream's waiter -> trio reschedule", "RequestStream._wake", r"request_stream\.py"),
     ("consumer side: RequestStream.__anext__", "RequestStream.__anext__", r"request_stream\.py"),
