@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import ModuleType
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 try:
     import resource  # POSIX only: the open-files limit
@@ -62,8 +62,8 @@ from .addresses import check_address
 from . import _cli_logging
 from . import _cli_mock
 from . import _cli_requests
+from ._cli_common import DEBUG_ENV as DEBUG_ENV  # the traceback switch, read as cli.DEBUG_ENV too
 from ._cli_common import (
-    DEBUG_ENV,
     EXIT_ENGINE,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
@@ -356,12 +356,13 @@ def _request_from_flags(args: argparse.Namespace, pb: ModuleType) -> Message:
         sp.stop.extend(args.stop)
     ids = _in_range(pb.TokenizedInput, "input_ids", args.prompt_token_ids, "--prompt-token-ids",
                     "tokenized.input_ids")
-    return pb.GenerateRequest(
+    request: Message = pb.GenerateRequest(
         request_id=args.request_id or f"zmqd-{uuid.uuid4().hex[:12]}",
         tokenized=pb.TokenizedInput(input_ids=ids),
         sampling_params=sp,
         stream=not args.no_stream,
     )
+    return request
 
 
 def _pb(args: argparse.Namespace) -> ModuleType:
@@ -384,7 +385,7 @@ def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _print(resp: object) -> None:
+def _print(resp: Message) -> None:
     line = json_format.MessageToJson(
         resp, indent=None, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -422,7 +423,7 @@ def _load_requests(args: argparse.Namespace) -> list[_cli_requests.RequestLine]:
                               field="requests")
     if args.no_stream:
         for item in accepted:
-            item.request.stream = False
+            cast(Any, item.request).stream = False  # a generated field: not in Message's stubs
     return accepted
 
 
