@@ -41,11 +41,12 @@ from collections import Counter
 #: generated methods name their class ("<attrs generated methods trio._core...>").
 AREAS = [
     ("wire decode (zmqdispatch/wire)", r"zmqdispatch[/.]wire[/.]"),
-    ("routing (protocol/engine.py)", r"zmqdispatch[/.]protocol[/.]engine"),
+    ("routing (protocol/routing.py, engine.py)", r"zmqdispatch[/.]protocol[/.](routing|engine)"),
     ("mailbox merge/put/take + OutputDelta (protocol/mailbox.py)", r"zmqdispatch[/.]protocol[/.]mailbox"),
     ("client shell: pumps, _park (client.py)", r"zmqdispatch[/.]client"),
     ("socket recv (_zmq_trio.py)", r"zmqdispatch[/.]_zmq_trio"),
-    ("streams (streams.py: RequestStream, StreamGroup)", r"zmqdispatch[/.]streams"),
+    ("streams (request_stream.py, stream_group.py, sample_stream.py)",
+     r"zmqdispatch[/.](streams|request_stream|sample_stream|stream_group)"),
     ("benchmark consumer loop + acks (bench/)", r"zmqdispatch[/.]bench[/.]"),
     ("trio scheduler, traps, outcome", r"(^|[/ ])(trio|outcome)[/.]"),
     ("pyzmq (recv_multipart)", r"(^|/)zmq/"),
@@ -55,17 +56,17 @@ AREAS = [
 HOT = [
     ("output pump (EngineClient._output_pump)", "EngineClient._output_pump", r"client\.py"),
     ("  recv_batch (TrioSocket.recv_batch)", "TrioSocket.recv_batch", r"_zmq_trio\.py"),
-    ("  EngineProtocol.frames_received", "EngineProtocol.frames_received", r"protocol/engine\.py"),
+    ("  EngineProtocol.frames_received", "OutputRouting.frames_received", r"protocol/routing\.py"),
     ("    decode_outputs (msgpack + row checks)", "decode_outputs", r"wire/vllm\.py"),
-    ("    EngineProtocol._route", "EngineProtocol._route", r"protocol/engine\.py"),
+    ("    EngineProtocol._route", "OutputRouting._route", r"protocol/routing\.py"),
     ("      Mailbox.put (merge + wake)", "Mailbox.put", r"protocol/mailbox\.py"),
-    ("        wake: the stream's waiter -> trio reschedule", "RequestStream._wake", r"streams\.py"),
-    ("consumer side: RequestStream.__anext__", "RequestStream.__anext__", r"streams\.py"),
-    ("  RequestStream._receive", "RequestStream._receive", r"streams\.py"),
+    ("        wake: the stream's waiter -> trio reschedule", "RequestStream._wake", r"request_stream\.py"),
+    ("consumer side: RequestStream.__anext__", "RequestStream.__anext__", r"request_stream\.py"),
+    ("  RequestStream._receive", "RequestStream._receive", r"request_stream\.py"),
     ("  park (wait_task_rescheduled)", "wait_task_rescheduled", r"trio/_core/_traps\.py"),
     ("consumer task (bench consume, inclusive)", "Runner.throughput.<locals>.consume", r"bench/run_zmqdispatch\.py"),
     ("benchmark acks (Acker.delivered)", "Acker.delivered", r"bench/_common\.py"),
-    ("StreamGroup.receive (group reader)", "StreamGroup.receive", r"streams\.py"),
+    ("StreamGroup.receive (group reader)", "StreamGroup.receive", r"stream_group\.py"),
     ("trio run loop (unrolled_run)", "unrolled_run", r"trio/_core/_run\.py"),
 ]
 

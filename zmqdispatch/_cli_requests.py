@@ -26,7 +26,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import attrs
 import trio
@@ -39,6 +39,13 @@ from .protocol.deadlines import Deadlines
 
 __all__ = ["LineRejected", "RequestLine", "StdoutUnwritable", "parse_requests", "run_requests", "split_lines",
            "write_out"]
+
+
+def generated_request_id(request: Message) -> str:
+    """The ``request_id`` field of either runtime's generated ``GenerateRequest``
+    (smg_grpc_proto ships no annotations: the stubs know only ``Message``)."""
+    rid: str = cast(Any, request).request_id
+    return rid
 
 
 @attrs.frozen
@@ -58,8 +65,7 @@ class RequestLine:
 
     @property
     def request_id(self) -> str:
-        rid: str = self.request.request_id
-        return rid
+        return generated_request_id(self.request)
 
 
 @attrs.frozen
@@ -128,7 +134,7 @@ def parse_requests(
             name = request.DESCRIPTOR.full_name
             rejected.append(LineRejected(number, "", f"not a proto-JSON {name}: {exc}"))
             continue
-        rid: str = request.request_id
+        rid = generated_request_id(request)
         if not rid:
             rejected.append(LineRejected(number, "request_id", "request_id is required (the output lines are keyed "
                                                                "by it; give each request its own)"))

@@ -26,6 +26,10 @@ Exit status: 0 the generate completed; 2 the client rejected the request
 stdout closed or unwritable (the request is aborted); 1 an
 internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback) or out of
 file descriptors. Failures print one line on stderr, no traceback.
+
+``mock-engine``'s options and runner are in :mod:`zmqdispatch._cli_mock`; what
+the subcommands share (exit statuses, the failure line, argument types) in
+:mod:`zmqdispatch._cli_common`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import argparse
 import errno
 import math
 import os
-import re
 import shlex
 import signal
 import sys
@@ -42,7 +45,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import ModuleType
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 try:
     import resource  # POSIX only: the open-files limit
@@ -57,7 +60,26 @@ from google.protobuf.message import Message
 from . import __version__
 from .addresses import check_address
 from . import _cli_logging
+from . import _cli_mock
 from . import _cli_requests
+from ._cli_common import DEBUG_ENV as DEBUG_ENV  # the traceback switch, read as cli.DEBUG_ENV too
+from ._cli_common import (
+    EXIT_ENGINE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_STDOUT_CLOSED,
+    EXIT_TERMINATED,
+    INTERNAL_EPILOG,
+    U32,
+    Formatter,
+    bounded_int,
+    fail,
+    int_list,
+    seconds,
+    token_id_list,
+)
 from ._engine_lifecycle import leaves, unwrap
 from .client import EngineClient
 from .config import ClientConfig
@@ -71,7 +93,6 @@ from .errors import (
     ZmqDispatchError,
 )
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
-from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
 from .mock.server import RUNTIMES
 from .protocol.deadlines import Deadlines
 from .protocol.runtime import Runtime
@@ -81,23 +102,10 @@ from .bench import harness as bench_harness
 
 __all__ = ["main"]
 
-EXIT_OK = 0
-EXIT_INTERNAL = 1
-EXIT_REJECTED = 2
-EXIT_ENGINE = 3
-EXIT_INTERRUPTED = 130
-EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `... | head -1` writers
-EXIT_TERMINATED = 143
-
-#: Set (to anything but "" / "0") to let an internal error's traceback through.
-DEBUG_ENV = "ZMQDISPATCH_DEBUG"
-
-_INTERNAL_EPILOG = (f"  1    internal error (a bug; {DEBUG_ENV}=1 prints its traceback), or out of file descriptors\n")
-
 _GENERATE_EPILOG = (
     "exit status:\n"
     "  0    the generate completed (--requests: every request completed)\n"
-    + _INTERNAL_EPILOG +
+    + INTERNAL_EPILOG +
     "  2    rejected before anything was sent: a request field or flag value out of range,\n"
     "       a malformed address, an unreadable --request file (--requests: any bad line, each named)\n"
     "  3    the engine failed (dead, handshake, engine-side error), or an address cannot be bound\n"
@@ -108,21 +116,10 @@ _GENERATE_EPILOG = (
     "every failure prints one line on stderr"
 )
 
-_MOCK_EPILOG = (
-    "exit status:\n"
-    "  0    stopped by SIGINT or SIGTERM (running requests get a finish ABORT first, as vLLM's clean stop)\n"
-    "  1    the engine died as the real one does (fatal request: ENGINE_CORE_DEAD sent; --fault sentinel/exit),\n"
-    f"       or an internal error ({DEBUG_ENV}=1 prints its traceback)\n"
-    "  2    a malformed flag value or --handshake-address\n"
-    "the mock serves one client after another: when its client goes away it dials the handshake\n"
-    "address again (and still accepts the old client's resumed data connections); with several DP\n"
-    "ranks each rank does so on its own"
-)
-
 _BENCH_EPILOG = (
     "exit status:\n"
     "  0    the benchmark ran\n"
-    + _INTERNAL_EPILOG +
+    + INTERNAL_EPILOG +
     "  2    a malformed flag value"
 )
 
@@ -138,84 +135,8 @@ _INT_RANGES = {
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after every help text (unless there is none: unset, a switch,
-    an empty list); description and epilog kept as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
-
-
 class _Terminated(Exception):
     """SIGTERM arrived: the generate was cancelled and its engine stopped."""
-
-
-_ASCII_INT = re.compile(r"-?[0-9]+")
-
-
-def _int_list(text: str) -> list[int]:
-    """``1,2,3`` (spaces allowed, empty = no ids); every item an ASCII integer."""
-    if not text.strip():
-        return []
-    items = [x.strip() for x in text.split(",")]
-    bad = [x for x in items if not _ASCII_INT.fullmatch(x)]
-    if bad:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (item {bad[0]!r})")
-    return [int(x) for x in items]
-
-
-def _token_id_list(text: str) -> list[int]:
-    ids = _int_list(text)
-    for t in ids:
-        if not 0 <= t < 2**32:
-            raise argparse.ArgumentTypeError(f"token id {t} is outside 0..{2**32 - 1}")
-    return ids
-
-
-def _bounded_int(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in lo..hi (hi None: no upper bound)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(
-                f"{value} is outside {lo}..{hi}" if hi is not None else f"{value} must be >= {lo}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in its messages
-    return parse
-
-
-def _seconds(*, zero_ok: bool) -> Callable[[str], float]:
-    """An argparse type: seconds, > 0 (or >= 0 with zero_ok), inf allowed, never nan."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if math.isnan(value) or value < 0 or (value == 0 and not zero_ok):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {'>= 0' if zero_ok else '> 0'}")
-        return value
-
-    parse.__name__ = "float"
-    return parse
-
-
-#: The longest mock step interval: an hour (anything longer never steps in practice).
-_MAX_STEP_MS = 3_600_000.0
-
-
-def _finite_ms(text: str) -> float:
-    value = _seconds(zero_ok=True)(text)
-    if not value <= _MAX_STEP_MS:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at most {_MAX_STEP_MS:.0f} ms")
-    return value
 
 
 def _launch_command(text: str) -> str:
@@ -229,14 +150,6 @@ def _launch_command(text: str) -> str:
     return text
 
 
-def _fault(text: str) -> str:
-    try:
-        parse_fault(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
-    return text
-
-
 class _Parser(argparse.ArgumentParser):
     """Reports a bad argument in one stderr line (the usage is in ``--help``)."""
 
@@ -244,14 +157,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_finite_ms.__name__ = "float"
-
-_U32 = 2**32 - 1
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="zmqdispatch", description=__doc__.split("\n\n")[0],
-                                     formatter_class=_Formatter)
+                                     formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -261,7 +169,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Dispatch one GenerateRequest (vllm.grpc.engine, or tokenspeed.grpc.scheduler with "
                     "--runtime tokenspeed) to an engine over ZMQ. Engine: --handshake-address (started "
                     "elsewhere), --launch CMD, or neither: the embedded mock engine.",
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
         epilog=_GENERATE_EPILOG,
     )
     src = g.add_argument_group("request")
@@ -271,17 +179,17 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--requests", metavar="FILE",
                      help="many requests: one proto-JSON GenerateRequest per line (- for stdin), run concurrently; "
                           'prints {"request_id": ID, "response": GenerateResponse} lines (docs/cli.md)')
-    src.add_argument("--max-concurrency", type=_bounded_int(1), metavar="N",
+    src.add_argument("--max-concurrency", type=bounded_int(1), metavar="N",
                      help="with --requests: at most N requests in flight (the others wait, deadlines not started); "
                           "unset: all at once")
-    src.add_argument("--prompt-token-ids", type=_int_list, metavar="IDS", help="e.g. 1,2,3 (builds a request)")
+    src.add_argument("--prompt-token-ids", type=int_list, metavar="IDS", help="e.g. 1,2,3 (builds a request)")
     src.add_argument("--request-id", help="default: a random zmqd-<hex> id")
     src.add_argument("--max-tokens", type=int, help="max_tokens (TokenSpeed: max_new_tokens); unset: the engine's rule")
     src.add_argument("--temperature", type=float, help="unset: the proto default")
     src.add_argument("--top-p", type=float, help="unset: the proto default")
     src.add_argument("--top-k", type=int, help="unset: the proto default (disabled)")
     src.add_argument("--seed", type=int, help="seed (TokenSpeed: sampling_seed); unset: random")
-    src.add_argument("--stop-token-ids", type=_int_list, metavar="IDS", help="e.g. 7,9")
+    src.add_argument("--stop-token-ids", type=int_list, metavar="IDS", help="e.g. 7,9")
     src.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop string (repeatable; needs --tokenizer)")
     src.add_argument("-n", "--n", type=int, dest="n", help="samples per request (fan-out); unset: 1")
@@ -292,23 +200,23 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="bind here (tcp://HOST:PORT or ipc://PATH) and wait for an engine to dial in")
     how.add_argument("--launch", type=_launch_command, metavar="CMD",
                      help="engine command; {handshake_address} is substituted")
-    eng.add_argument("--data-parallel-size", type=_bounded_int(1, 65536), metavar="N",
+    eng.add_argument("--data-parallel-size", type=bounded_int(1, 65536), metavar="N",
                      help="serve N engines (the ranks of one `vllm serve --data-parallel-size N`, or N that "
                           "dial in): wait for N on the handshake, place each request on one; the embedded "
                           "mock runs N ranks. Unset: one engine")
-    eng.add_argument("--handshake-timeout", type=_seconds(zero_ok=False), default=DEFAULT_HANDSHAKE_TIMEOUT,
+    eng.add_argument("--handshake-timeout", type=seconds(zero_ok=False), default=DEFAULT_HANDSHAKE_TIMEOUT,
                      metavar="S", help="seconds for the engine's startup handshake")
-    eng.add_argument("--silence-timeout", type=_seconds(zero_ok=False), default=DEFAULT_SILENCE_TIMEOUT,
+    eng.add_argument("--silence-timeout", type=seconds(zero_ok=False), default=DEFAULT_SILENCE_TIMEOUT,
                      metavar="S", help="seconds without output while requests run before the engine is dead")
-    eng.add_argument("--vocab-size", type=_bounded_int(1, _U32 + 1),
+    eng.add_argument("--vocab-size", type=bounded_int(1, U32 + 1),
                      help="reject token ids >= this (protects the engine); unset: not checked")
-    eng.add_argument("--eos-token-id", type=_token_id_list, default=[], metavar="IDS",
+    eng.add_argument("--eos-token-id", type=token_id_list, default=[], metavar="IDS",
                      help="the model's EOS id(s), primary first (vLLM: the engine has no tokenizer; "
                           "tokenspeed: given to the embedded mock, which stops on them)")
-    eng.add_argument("--max-logprobs", type=_bounded_int(0, _U32), default=20, help="the engine's max_logprobs")
+    eng.add_argument("--max-logprobs", type=bounded_int(0, U32), default=20, help="the engine's max_logprobs")
     eng.add_argument("--tokenizer", metavar="FILE",
                      help="tokenizer.json of the model (needs the 'tokenizers' extra); enables stop strings")
-    eng.add_argument("--mock-max-model-len", type=_bounded_int(1, 2**31 - 1), default=4096,
+    eng.add_argument("--mock-max-model-len", type=bounded_int(1, 2**31 - 1), default=4096,
                      help="embedded mock only: its max_model_len")
     eng.add_argument("--allow-unknown-engine-version", action="store_true",
                      help="connect to an engine version the wire codec was not checked against "
@@ -326,48 +234,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run the wire-faithful mock engine (vLLM EngineCore or TokenSpeed scheduler)",
         description="A mock vLLM EngineCore (or, with --runtime tokenspeed, TokenSpeed scheduler) that dials "
                     "ADDR like the real one (see zmqdispatch.mock.server), and serves one client after another.",
-        formatter_class=_Formatter,
-        epilog=_MOCK_EPILOG,
+        formatter_class=Formatter,
+        epilog=_cli_mock.EPILOG,
     )
-    m.add_argument("--handshake-address", required=True, metavar="ADDR",
-                   help="the client's handshake address to dial (tcp://HOST:PORT or ipc://PATH)")
-    m.add_argument("--log-level", choices=_cli_logging.LOG_LEVELS, default="warning",
-                   help="log records of the zmqdispatch loggers on stderr")
-    m.add_argument("--runtime", choices=RUNTIMES, default="vllm", help="which engine to imitate")
-    m.add_argument("--engine-index", type=_bounded_int(0, 2**16 - 1),
-                   help="DP rank (its 2-byte identity) of a one-rank mock; default 0")
-    dp = m.add_argument_group("data parallel (as vllm serve: one independent engine per rank, all dialing ADDR)")
-    dp.add_argument("--data-parallel-size", type=_bounded_int(1, 2**16), metavar="N",
-                    help="ranks in the whole DP group; this process runs all of them unless told otherwise; "
-                         "default 1")
-    dp.add_argument("--data-parallel-size-local", type=_bounded_int(1, 2**16), metavar="L",
-                    help="ranks this process runs; default: every rank from the start rank on")
-    dp.add_argument("--data-parallel-start-rank", type=_bounded_int(0, 2**16 - 1), metavar="S",
-                    help="the first rank this process runs (its ranks: S..S+L-1); default 0")
-    m.add_argument("--max-model-len", type=_bounded_int(1, 2**31 - 1), default=4096,
-                   help="context length; a prompt this long or longer kills the vLLM mock, as vLLM 0.32")
-    m.add_argument("--vocab-size", type=_bounded_int(1, _U32 + 1), default=32_000,
-                   help="a token id at or past it kills the engine, as the real one")
-    m.add_argument("--step-interval-ms", type=_finite_ms, default=1.0, help="0 = as fast as possible")
-    m.add_argument("--tokens-per-step", type=_bounded_int(1, 2**16), default=1, help="tokens per request per step")
-    m.add_argument("--headless", action="store_true", help="announce local=false, headless=true")
-    m.add_argument("--eos-token-id", type=_token_id_list, default=[], metavar="IDS",
-                   help="tokenspeed: the model's EOS ids (TokenSpeed stops at EOS by itself)")
-    m.add_argument("--stream-interval", type=_bounded_int(1, 2**31 - 1), default=1,
-                   help="tokenspeed: --stream-interval")
-    m.add_argument("--no-output-logprobs", action="store_true",
-                   help="tokenspeed: run without --enable-output-logprobs (logprob requests are aborted)")
-    m.add_argument(
-        "--fault",
-        type=_fault,
-        action="append",
-        default=[],
-        metavar="KIND[:N]",
-        help="sentinel:N, exit:N, garbage:N, silent:N, stop-reading:N, no-ready (repeatable)",
-    )
+    _cli_mock.add_arguments(m)
     b = sub.add_parser("bench", help="transport benchmark: zmqdispatch vs the raw limit vs vLLM's client",
                        description="See zmqdispatch.bench.harness (progress bar and PNG: the 'bench' extra).",
-                       formatter_class=_Formatter, epilog=_BENCH_EPILOG)
+                       formatter_class=Formatter, epilog=_BENCH_EPILOG)
     bench_harness.add_arguments(b)
     return parser
 
@@ -485,12 +358,13 @@ def _request_from_flags(args: argparse.Namespace, pb: ModuleType) -> Message:
         sp.stop.extend(args.stop)
     ids = _in_range(pb.TokenizedInput, "input_ids", args.prompt_token_ids, "--prompt-token-ids",
                     "tokenized.input_ids")
-    return pb.GenerateRequest(
+    request: Message = pb.GenerateRequest(
         request_id=args.request_id or f"zmqd-{uuid.uuid4().hex[:12]}",
         tokenized=pb.TokenizedInput(input_ids=ids),
         sampling_params=sp,
         stream=not args.no_stream,
     )
+    return request
 
 
 def _pb(args: argparse.Namespace) -> ModuleType:
@@ -513,7 +387,7 @@ def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _print(resp: object) -> None:
+def _print(resp: Message) -> None:
     line = json_format.MessageToJson(
         resp, indent=None, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -545,13 +419,13 @@ def _load_requests(args: argparse.Namespace) -> list[_cli_requests.RequestLine]:
     accepted, rejected = _cli_requests.parse_requests(_cli_requests.split_lines(text), _pb(args).GenerateRequest,
                                                       check)
     for bad in rejected:
-        _fail(EXIT_REJECTED, f"--requests: {bad}")
+        fail(EXIT_REJECTED, f"--requests: {bad}")
     if rejected:
         raise RequestRejected(f"{len(rejected)} bad line(s) in --requests {args.requests!r}; nothing was sent",
                               field="requests")
     if args.no_stream:
         for item in accepted:
-            item.request.stream = False
+            cast(Any, item.request).stream = False  # a generated field: not in Message's stubs
     return accepted
 
 
@@ -630,10 +504,10 @@ async def _dispatch_requests(args: argparse.Namespace, requests: object) -> int:
                                                                                   engine_index),
             deadlines=_deadlines(args), max_concurrency=args.max_concurrency)
     if rejected:
-        return _fail(EXIT_REJECTED, f"{failed} of {len(requests)} requests failed, {rejected} of them "
+        return fail(EXIT_REJECTED, f"{failed} of {len(requests)} requests failed, {rejected} of them "
                                     "rejected before they were sent")
     if failed:
-        return _fail(EXIT_ENGINE, f"{failed} of {len(requests)} requests failed")
+        return fail(EXIT_ENGINE, f"{failed} of {len(requests)} requests failed")
     return EXIT_OK
 
 
@@ -672,12 +546,6 @@ def _translate(
         max_logprobs=args.max_logprobs,
         engine_index=engine_index,
     ))
-
-
-def _fail(code: int, message: str) -> int:
-    one_line = " ".join(message.split())  # library messages may span lines
-    sys.stderr.write(f"zmqdispatch: error: {one_line}\n")
-    return code
 
 
 #: File descriptors the command line wants at least: a client and an engine
@@ -740,20 +608,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:
-        return _fail(EXIT_INTERRUPTED, "interrupted")
+        return fail(EXIT_INTERRUPTED, "interrupted")
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         if _out_of_files(exc):
-            return _fail(EXIT_INTERNAL, f"out of file descriptors: this process may open {_open_files_now()} "
+            return fail(EXIT_INTERNAL, f"out of file descriptors: this process may open {_open_files_now()} "
                                         "files (ulimit -n) and needs more; raise the limit")
-        return _fail(EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc} "
+        return fail(EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc} "
                                     f"(a bug; re-run with {DEBUG_ENV}=1 for the traceback)")
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.command in ("generate", "mock-engine") and (complaint := _open_files_limit()):
-        return _fail(EXIT_INTERNAL, f"out of file descriptors: {complaint}")
+        return fail(EXIT_INTERNAL, f"out of file descriptors: {complaint}")
     if args.command in ("generate", "mock-engine"):
         # The wait for an engine started elsewhere (or by --launch) is said at
         # any level; the embedded mock answers within a second or fails.
@@ -762,9 +630,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return bench_harness.main(args)
     if args.command == "mock-engine":
-        return _mock_engine(args)
+        return _cli_mock.run(args)
     if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to write the responses
-        return _fail(EXIT_STDOUT_CLOSED, "stdout is closed: nowhere to write the responses; nothing was sent")
+        return fail(EXIT_STDOUT_CLOSED, "stdout is closed: nowhere to write the responses; nothing was sent")
     try:
         if args.handshake_address is not None:
             check_address(args.handshake_address, role="--handshake-address", any_port=False)
@@ -788,89 +656,25 @@ def _run(args: argparse.Namespace) -> int:
                                   max_logprobs=args.max_logprobs)
         return trio.run(_generate, args, req)
     except RequestRejected as exc:
-        return _fail(EXIT_REJECTED, f"request rejected: {exc}")
+        return fail(EXIT_REJECTED, f"request rejected: {exc}")
     except InvalidAddressError as exc:
-        return _fail(EXIT_REJECTED, f"bad address: {exc}")
+        return fail(EXIT_REJECTED, f"bad address: {exc}")
     except AddressBindError as exc:
-        return _fail(EXIT_ENGINE, f"cannot bind: {exc}")
+        return fail(EXIT_ENGINE, f"cannot bind: {exc}")
     except (EngineError, RequestError) as exc:
-        return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
+        return fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except ZmqDispatchError as exc:
-        return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
+        return fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except BrokenPipeError:
         # Leaving the stream aborted the request; later writes to stdout go nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return _fail(EXIT_STDOUT_CLOSED, "stdout was closed (the reader went away); the request was aborted")
+        return fail(EXIT_STDOUT_CLOSED, "stdout was closed (the reader went away); the request was aborted")
     except _cli_requests.StdoutUnwritable as exc:
-        return _fail(EXIT_STDOUT_CLOSED, f"{exc}; the request was aborted")
+        return fail(EXIT_STDOUT_CLOSED, f"{exc}; the request was aborted")
     except OSError as exc:  # the system refused something (fds, processes) while serving
-        return _fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
+        return fail(EXIT_ENGINE, f"{type(exc).__name__}: {exc}")
     except _Terminated:
-        return _fail(EXIT_TERMINATED, "terminated (SIGTERM)")
-
-
-def _mock_engine(args: argparse.Namespace) -> int:
-    try:
-        check_address(args.handshake_address, role="--handshake-address", bind=False, any_port=False)
-        faults = tuple(parse_fault(f) for f in args.fault)
-    except ValueError as exc:  # InvalidAddressError is one
-        return _fail(EXIT_REJECTED, str(exc))
-    try:
-        start_rank, size_local, size = _mock_ranks(args)
-    except ValueError as exc:
-        return _fail(EXIT_REJECTED, str(exc))
-    cfg = MockEngineConfig(
-        handshake_address=args.handshake_address,
-        engine_index=start_rank,
-        data_parallel_size_local=size_local,
-        data_parallel_size=size,
-        max_model_len=args.max_model_len,
-        vocab_size=args.vocab_size,
-        step_interval=args.step_interval_ms / 1000.0,
-        tokens_per_step=args.tokens_per_step,
-        faults=faults,
-        headless=args.headless,
-        runtime=args.runtime,
-        eos_token_ids=tuple(args.eos_token_id),
-        stream_interval=args.stream_interval,
-        enable_output_logprobs=not args.no_output_logprobs,
-    )
-    try:
-        return run_mock_main(cfg)
-    except InvalidAddressError as exc:  # an INIT naming an address we cannot dial
-        return _fail(EXIT_REJECTED, str(exc))
-
-
-_DP_FLAGS = (("--data-parallel-size", "data_parallel_size"), ("--data-parallel-size-local", "data_parallel_size_local"),
-             ("--data-parallel-start-rank", "data_parallel_start_rank"))
-
-
-def _mock_ranks(args: argparse.Namespace) -> tuple[int, int, int]:
-    """``(start rank, ranks in this process, DP size)`` of ``mock-engine``.
-
-    Raises:
-        ValueError: ``--engine-index`` beside a ``--data-parallel-*`` flag, or
-            ranks past the DP size.
-    """
-    given = [flag for flag, dest in _DP_FLAGS if getattr(args, dest) is not None]
-    if args.engine_index is not None:
-        if given:
-            raise ValueError(f"--engine-index: not with {', '.join(given)} (the start rank is "
-                             "--data-parallel-start-rank)")
-        return args.engine_index, 1, 1  # what the ready response said before DP flags existed
-    size = args.data_parallel_size
-    if size is None:
-        if given:  # vllm serve's default size is 1: a start rank or local size alone means little
-            raise ValueError(f"{', '.join(given)}: give --data-parallel-size too")
-        return 0, 1, 1
-    start = args.data_parallel_start_rank or 0
-    if start >= size:
-        raise ValueError(f"--data-parallel-start-rank {start}: past --data-parallel-size {size} (ranks 0..{size - 1})")
-    local = args.data_parallel_size_local if args.data_parallel_size_local is not None else size - start
-    if start + local > size:
-        raise ValueError(f"--data-parallel-start-rank {start} with --data-parallel-size-local {local} runs ranks "
-                         f"{start}..{start + local - 1}, past --data-parallel-size {size} (ranks 0..{size - 1})")
-    return start, local, size
+        return fail(EXIT_TERMINATED, "terminated (SIGTERM)")
 
 
 def main_entry() -> None:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import zmqdispatch
-from zmqdispatch import cli
+from zmqdispatch import _cli_mock, cli
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 ENV.pop(cli.DEBUG_ENV, None)
@@ -175,7 +175,7 @@ def test_the_mock_engine_command_also_has_the_last_resort(monkeypatch, capsys):
     def boom(_: object) -> int:
         raise KeyError("x")
 
-    monkeypatch.setattr(cli, "run_mock_main", boom)
+    monkeypatch.setattr(_cli_mock, "run_mock_main", boom)
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
     assert cli.main(["mock-engine", "--handshake-address", "tcp://127.0.0.1:5555"]) == 1
     assert capsys.readouterr().err.count("\n") == 1

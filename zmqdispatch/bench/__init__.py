@@ -33,6 +33,8 @@ Modules:
   zmqdispatch runner: a ``MultiEngineClient`` over several benchmark engine
   processes dialing one handshake address (the runner starts them).
 - :mod:`.harness`: the ``zmqdispatch bench`` command.
+- :mod:`.report`: what it prints and writes: the progress bar, a line per
+  result, the Markdown tables.
 - :mod:`.real`: the real-engine comparison (``--real-engine``), ``run_smg.py``
   its SMG runner.
 - :mod:`.plot`: the PNG (matplotlib, lazily imported).

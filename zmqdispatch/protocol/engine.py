@@ -1,4 +1,6 @@
-"""Sans-IO state of one engine link: request table, outbox, aborts, death.
+"""Sans-IO state of one engine link: request table, outbox, aborts, death
+(the messages it queues and their states: :mod:`.messages`; how received
+outputs are routed: :mod:`.routing`).
 
 :class:`EngineProtocol` never touches zmq or trio. The I/O shell
 (:mod:`zmqdispatch.client`) feeds it received frames and carries out what it
@@ -21,7 +23,8 @@ below are testable in microseconds without sockets:
   ``external_req_id``, as vLLM's own front end suffixes ids); its stream still
   reports ``request_id``, and late outputs of the old one are dropped as
   unknown instead of reaching it.
-- **Routing.** :meth:`frames_received` decodes one output message and routes
+- **Routing** (:mod:`.routing`, the base class :class:`~.routing.OutputRouting`).
+  :meth:`frames_received` decodes one output message and routes
   each ``EngineCoreOutput`` to its :class:`~.mailbox.Mailbox` without waiting;
   terminal outputs, ids in ``finished_requests`` and slow consumers retire
   their entry. Outputs for unknown ids (normal after an abort) are counted and
@@ -54,7 +57,6 @@ below are testable in microseconds without sockets:
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import time
@@ -62,30 +64,25 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import attrs
-
 from .. import limits
 from ..errors import (
     DuplicateRequestIdError,
-    EngineAbortedRequest,
     EngineDeadError,
-    EngineRequestError,
     RemoteProtocolError,
     RequestRejected,
     RequestStreamClosed,
     UnsupportedByRuntimeError,
-    UtilityCallError,
 )
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
-from .mailbox import PUT_MORE, PUT_OVERFLOW, Mailbox
+from .mailbox import Mailbox
+from .messages import LinkState, Outgoing, PendingUtilityCall, SendState
+from .routing import OutputRouting
+from .routing import _preview as _preview  # importable from here as well
 from .runtime import Runtime
 from .stats import LinkStats
 
 __all__ = ["EngineProtocol", "Outgoing", "SendState", "PendingUtilityCall", "LinkState", "Runtime"]
-
-#: TokenSpeed finish strings -> what the stream reports ("abort" and "error" fail it).
-_TS_FINISH = {"stop": wire.FinishReason.STOP, "length": wire.FinishReason.LENGTH}
 
 _ADD = bytes([wire.RequestType.ADD])
 _ABORT = bytes([wire.RequestType.ABORT])
@@ -93,86 +90,9 @@ _UTILITY = bytes([wire.RequestType.UTILITY])
 
 _log = logging.getLogger("zmqdispatch.protocol")
 _DEBUG = logging.DEBUG
-#: bytes of an undecodable message shown (hex) in its warning
-_DECODE_ERROR_PREVIEW = 32
 
 
-def _preview(frames: list[bytes], n: int) -> bytes:
-    """The first *n* bytes of the concatenated *frames*, without joining them all
-    (an undecodable message can be megabytes)."""
-    head = bytearray()
-    for f in frames:
-        head += f[: n - len(head)]
-        if len(head) >= n:
-            break
-    return bytes(head)
-
-
-class LinkState(enum.Enum):
-    """Lifecycle of an engine link after the handshake."""
-
-    READY = "READY"
-    DEAD = "DEAD"
-
-
-class SendState(enum.Enum):
-    """Where an outgoing message is."""
-
-    QUEUED = "queued"  # in the outbox
-    SENDING = "sending"  # taken by the input pump, may be on the wire
-    SENT = "sent"  # accepted by the socket
-    CANCELLED = "cancelled"  # dropped before it was sent (aborted ADD)
-    FAILED = "failed"  # the engine died first
-    REJECTED = "rejected"  # an ADD whose request could not be encoded (``Outgoing.error``): never sent
-
-
-@attrs.define(slots=True, eq=False)
-class Outgoing:
-    """One multipart message for the input ROUTER: ``[identity, type, payload, *aux]``.
-
-    ``waiter`` (set by the shell) is called once when ``state`` leaves
-    QUEUED/SENDING. An ADD is queued as ``[identity, type]`` with its
-    ``request`` and completed by :meth:`EngineProtocol.pop_send` (which
-    encodes it, or settles it REJECTED with ``error`` set).
-    """
-
-    frames: list[bytes]
-    request_id: str | None = None
-    state: SendState = SendState.QUEUED
-    waiter: Callable[[], None] | None = None
-    request: Any = None  # an ADD's request, until pop_send encodes it
-    error: BaseException | None = None  # why a REJECTED ADD was not sent
-
-    def settle(self, state: SendState) -> None:
-        """:class:`EngineProtocol`: the message reached its final *state*; wake its waiter."""
-        self.state = state
-        w = self.waiter
-        if w is not None:
-            self.waiter = None
-            w()
-
-
-@attrs.define(slots=True, eq=False)
-class PendingUtilityCall:
-    """A pending utility call; ``done`` flips once, then ``result`` or ``error`` is set."""
-
-    call_id: int
-    method: str
-    done: bool = False
-    result: Any = None
-    error: BaseException | None = None
-    waiter: Callable[[], None] | None = None
-
-    def settle(self) -> None:
-        """:class:`EngineProtocol`: the call is done (``result`` or ``error`` set); wake its waiter."""
-        self.done = True
-        w = self.waiter
-        if w is not None:
-            self.waiter = None
-            w()
-
-
-class EngineProtocol:
+class EngineProtocol(OutputRouting):
     """Pure per-engine state. One instance per handshaken engine.
 
     Args:
@@ -664,244 +584,6 @@ class EngineProtocol:
     def forget_utility(self, call: PendingUtilityCall) -> None:
         """Stop waiting for *call* (timeout or cancellation); a late reply is dropped."""
         self._utility.pop(call.call_id, None)
-
-    # ------------------------------------------------------------------ inbound
-
-    def frames_received(self, frames: list[bytes], now: float | None = None) -> None:
-        """Route one message from the output PULL socket. Never raises.
-
-        *now*: its receipt time on the ``timer`` clock (default: read it).
-        Undecodable messages are counted; ``max_decode_errors`` in a row kill
-        the link. The sentinel kills it at once.
-        """
-        if self.state is LinkState.DEAD:
-            return
-        self.now = self.timer() if now is None else now
-        self.messages_received += 1
-        if wire.is_dead_sentinel(frames):
-            self.engine_died(
-                EngineDeadError(
-                    f"engine {self.engine_index} sent ENGINE_CORE_DEAD (fatal engine error; see engine logs)",
-                    engine_index=self.engine_index,
-                    reason="sentinel",
-                )
-            )
-            return
-        try:
-            if self.runtime is Runtime.VLLM:
-                msg = wire.decode_outputs(frames)
-            else:
-                batch = ts.decode_outputs(frames)
-        except RemoteProtocolError as exc:
-            self.decode_errors += 1
-            self.decode_error_streak += 1
-            self.last_decode_error = exc
-            size = sum(len(f) for f in frames)
-            head = _preview(frames, _DECODE_ERROR_PREVIEW)
-            _log.warning(
-                "engine %d: undecodable output message (%d bytes in %d frames, first bytes %s%s): %s; "
-                "%d in a row (max_decode_errors=%d), %d live requests failed",
-                self.engine_index, size, len(frames), head.hex(), "..." if size > len(head) else "", exc,
-                self.decode_error_streak, self.max_decode_errors,
-                len(self._requests) if self.decode_error_streak < self.max_decode_errors else 0,
-            )
-            if self.decode_error_streak >= self.max_decode_errors:
-                self.engine_died(
-                    EngineDeadError(
-                        f"engine {self.engine_index}: {self.decode_error_streak} undecodable output "
-                        f"messages in a row (last: {exc})",
-                        engine_index=self.engine_index,
-                        reason="decode_errors",
-                    )
-                )
-            else:
-                # The message may have carried tokens of any live request: fail
-                # them rather than let a stream silently miss tokens or wait for
-                # a final output that was in it.
-                self._fail_requests(list(self._requests), exc)
-            return
-        self.decode_error_streak = 0
-        if self.runtime is Runtime.VLLM:
-            self._route(msg, frames)
-        else:
-            self._route_tokenspeed(batch)
-
-    def _route(self, msg: wire.EngineCoreOutputs, frames: list[bytes]) -> None:
-        requests = self._requests
-        ts = msg.timestamp
-        if msg.scheduler_stats is not None and self.on_load is not None:
-            self.on_load(msg.scheduler_stats, ts)
-        to_abort: list[str] | None = None
-        unknown = self.unknown_outputs
-        for row in msg.outputs:
-            rid = row[0]
-            mb = requests.get(rid)
-            if mb is None:
-                self.unknown_outputs += 1
-                continue
-            try:
-                status = mb.put(row, frames, ts)
-            except RemoteProtocolError as exc:
-                # This request's logprobs do not decode: fail it alone.
-                mb.fail(exc)
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-                (to_abort := to_abort or []).append(rid)
-                continue
-            if status != PUT_MORE:
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-                if status == PUT_OVERFLOW:
-                    self._slow_consumer(mb)
-                    (to_abort := to_abort or []).append(rid)
-                else:
-                    self.stats.count_finish(mb)
-        if msg.outputs:
-            self.stats.routed(msg.outputs, len(msg.outputs) - (self.unknown_outputs - unknown), self.now)
-        if msg.bad_rows:
-            self.bad_rows += len(msg.bad_rows)
-            unattributed = [row_error for bad_rid, row_error in msg.bad_rows if bad_rid is None]
-            for bad_rid, row_error in msg.bad_rows:
-                if bad_rid is not None and bad_rid in requests:
-                    self._fail_requests([bad_rid], row_error)
-            if unattributed:
-                # A row without a readable id may have been any request that got
-                # no valid row in this message (one row per request per step).
-                seen = {row[0] for row in msg.outputs}
-                self._fail_requests([rid for rid in requests if rid not in seen], unattributed[0])
-        if msg.finished_requests:
-            # Engine-generated finishes may list ids without a terminal row
-            # (docs/reference-gateway-lessons.md lesson 11b: retire the union of both).
-            for rid in msg.finished_requests:
-                entry = requests.pop(rid, None)
-                if entry is not None:
-                    if self.on_retired is not None:
-                        self.on_retired(entry)
-                    entry.finish(wire.FinishReason.ABORT)
-                    self.stats.count_finish(entry)
-        if to_abort:
-            for rid in to_abort:
-                self._queue_abort(rid)
-            self._wake_sender()
-        uo = msg.utility_output
-        if uo is not None:
-            call = self._utility.pop(uo.call_id, None)
-            if call is not None:
-                if uo.failure_message is not None:
-                    call.error = UtilityCallError(
-                        f"utility call {call.method!r} failed on engine {self.engine_index}: {uo.failure_message}",
-                        engine_index=self.engine_index,
-                    )
-                else:
-                    call.result = None if uo.result is None else uo.result.value
-                call.settle()
-
-    def _route_tokenspeed(self, batch: ts.TokenSpeedBatch) -> None:
-        """Route one TokenSpeed ``BatchTokenIDOutSlim`` (columns parallel to ``rids``)."""
-        if batch.kv_total_pages > 0:
-            self.load = batch.load
-            if self.on_load is not None:
-                self.on_load(batch.load, None)
-        requests = self._requests
-        to_abort: list[str] | None = None
-        reasons = batch.finished_reasons
-        unknown = self.unknown_outputs
-        for i, rid in enumerate(batch.rids):
-            mb = requests.get(rid)
-            reason = reasons[i]
-            if mb is None:
-                self.unknown_outputs += 1
-                if reason:
-                    # The engine finished a request we no longer track: if we sent
-                    # it an ABORT, that ABORT arrives (or arrived) after the finish
-                    # and stays parked for the next request with this id.
-                    self._note_parked(rid)
-                continue
-            finish = None
-            if reason:
-                finish = _TS_FINISH.get(reason)
-                if finish is None and reason not in ("abort", "error"):
-                    self.unknown_finish_reasons += 1  # a newer engine's reason: a stop, as SMG reads it
-                    finish = wire.FinishReason.STOP
-            prompt = batch.prompt_tokens[i]
-            cached = batch.cached_tokens[i]
-            try:
-                status = PUT_MORE if finish is None and not batch.output_ids[i] else mb.put_tokens(
-                    batch.output_ids[i],
-                    finish,
-                    batch.logprob_vals[i],
-                    batch.logprob_ids[i],
-                    prompt if prompt > 0 else None,
-                    cached if cached > 0 else None,
-                )
-            except RemoteProtocolError as exc:
-                mb.fail(exc)
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-                (to_abort := to_abort or []).append(rid)
-                continue
-            if reason and finish is None:
-                done = batch.completion_tokens[i]
-                if reason == "abort":
-                    what = (
-                        "refused the request at admission (TokenSpeed sends no reason: a sampling value out of "
-                        "range, logprobs on an engine without --enable-output-logprobs, a grammar that does not "
-                        "compile, ...)"
-                        if done == 0
-                        else f"aborted the request after {done} tokens"
-                    )
-                    mb.fail(EngineAbortedRequest(f"request {mb.request_id!r}: the {self.runtime.engine_name} {what}",
-                                                 request_id=mb.request_id, tokens_before_abort=done))
-                else:
-                    mb.fail(EngineRequestError(
-                        f"request {mb.request_id!r}: engine finished the request with an error (see engine logs)",
-                        request_id=mb.request_id))
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-            elif status != PUT_MORE:
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-                if status == PUT_OVERFLOW:
-                    self._slow_consumer(mb)
-                    (to_abort := to_abort or []).append(rid)
-                else:
-                    self.stats.count_finish(mb)
-        if batch.rids:
-            self.stats.routed(batch.rids, len(batch.rids) - (self.unknown_outputs - unknown), self.now)
-        if to_abort:
-            for rid in to_abort:
-                self._queue_abort(rid)
-            self._wake_sender()
-
-    def _slow_consumer(self, mb: Mailbox) -> None:
-        self.stats.slow_consumers += 1
-        _log.warning("engine %d: %s", self.engine_index, mb.error)
-
-    def _fail_requests(self, request_ids: list[str], exc: RemoteProtocolError) -> None:
-        """Fail these live requests with *exc* (after tokens they already have)
-        and abort them on the engine: their outputs can no longer be trusted.
-        Requests whose ADD is still queued are left alone: the engine has not
-        seen them, so no output was about them (and their ADD is still to go)."""
-        woke = False
-        requests = self._requests
-        for rid in request_ids:
-            entry = requests.get(rid)
-            if entry is None or entry.add.state is SendState.QUEUED:
-                continue
-            del requests[rid]
-            if self.on_retired is not None:
-                self.on_retired(entry)
-            entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: undecodable engine output: {exc}"))
-            if self.state is LinkState.READY:
-                self._queue_abort(rid)
-                woke = True
-        if woke:
-            self._wake_sender()
 
     # ------------------------------------------------------------------ death
 
