@@ -6,8 +6,8 @@ each a request output with one new token, no logprobs, a few finished rows; for
 TokenSpeed the same as one ``BatchTokenIDOutSlim``) and decodes each, side by side in
 one run, with:
 
-- ``msgpack``: today's hot path (``wire.vllm.decode_outputs`` /
-  ``wire.tokenspeed.decode_outputs``: one ``msgpack.unpackb`` with arrays as tuples plus
+- ``msgpack``: the msgpack decoders (``wire.vllm.decode_outputs`` /
+  ``wire.tokenspeed._decode_outputs_msgpack``: one ``msgpack.unpackb`` with arrays as tuples plus
   the checks);
 - ``msgpack-raw``: the bare ``msgpack.unpackb`` those decoders start with (their floor);
 - ``msgspec``: ``msgspec.msgpack.Decoder(type=...)`` into ``array_like`` ``msgspec.Struct``
@@ -15,6 +15,9 @@ one run, with:
   tagged ``BatchTokenIDOutSlim``), the value checks today's decoders make expressed as
   ``msgspec.Meta`` constraints (token ids 0..MAX_TOKEN_ID, at most MAX_TOKENS_PER_TICK
   per row, finish_reason 0..4), the ext hook the same one (``wire.tensors.ext_hook``);
+- ``decode_outputs`` (TokenSpeed only): the hot path as the client calls it, msgspec
+  typed with the ragged-column checks, the batch built (today's msgpack path is kept as
+  ``_decode_outputs_msgpack``, the ``msgpack`` line);
 - ``msgspec+tuples`` (vLLM only): the same, each row then turned into the tuple the
   callers index with ``O_*`` (``msgspec.structs.astuple``), i.e. the shape
   ``decode_outputs`` returns today.
@@ -209,7 +212,7 @@ def _check_same(c: int) -> None:
     assert (new.engine_index, new.timestamp, new.weight_version) == (old.engine_index, old.timestamp,
                                                                       old.weight_version)
     frames = ts_message(c, 0, 3)
-    old_b = ts.decode_outputs(frames)
+    old_b = ts._decode_outputs_msgpack(frames)
     new_b = TS_DECODER.decode(frames[0])
     assert new_b.rids == old_b.rids and new_b.output_ids == old_b.output_ids
     assert new_b.finished_reasons == old_b.finished_reasons and new_b.kv_total_pages == old_b.kv_total_pages
@@ -231,7 +234,8 @@ def main() -> None:
                 ("msgpack", wire.decode_outputs), ("msgpack-raw", _raw),
                 ("msgspec", _vllm_msgspec), ("msgspec+tuples", _vllm_msgspec_tuples)]),
             "tokenspeed": ([ts_message(c, s, args.finished) for s in range(8)], [
-                ("msgpack", ts.decode_outputs), ("msgpack-raw", _raw), ("msgspec", _ts_msgspec)]),
+                ("msgpack", ts._decode_outputs_msgpack), ("msgpack-raw", _raw), ("msgspec", _ts_msgspec),
+                ("decode_outputs", ts.decode_outputs)]),
         }
         for runtime, (messages, decoders) in cases.items():
             base = None

@@ -110,6 +110,7 @@ from zmqdispatch.wire.tokenspeed_outputs import (  # re-exports (`x as x`), priv
     _check_flat_column as _check_flat_column,
     _check_logprob_columns as _check_logprob_columns,
     _check_nested_column as _check_nested_column,
+    _decode_outputs_msgpack as _decode_outputs_msgpack,
     _first_bad as _first_bad,
     _max_token_id as _max_token_id,
     _out_of_range as _out_of_range,

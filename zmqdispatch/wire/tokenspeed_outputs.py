@@ -15,9 +15,10 @@ from __future__ import annotations
 import array
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import attrs
+import msgspec
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import RemoteProtocolError
@@ -236,15 +237,62 @@ def _check_nested_column(name: str, col: Any, m: int, types: set[type], *, bound
         raise _bad_batch(f"{name}[{i}]: a token id outside 0..{bound}")
 
 
+_DECODERS: dict[tuple[int, int, int], msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _batch_decoder(max_rows: int, max_tokens: int, max_id: int) -> msgspec.msgpack.Decoder[Any]:
+    """A typed decoder for :class:`_Batch` with these limits as ``msgspec.Meta`` constraints
+    (cached; the limits are read on every call, so a changed limit takes effect)."""
+    key = (max_rows, max_tokens, max_id)
+    dec = _DECODERS.get(key)
+    if dec is None:
+        tid = Annotated[int, msgspec.Meta(ge=0, le=max_id)]
+        toks = Annotated[tuple[tid, ...], msgspec.Meta(max_length=max_tokens)]
+        vals = Annotated[tuple[int | float, ...], msgspec.Meta(max_length=max_tokens)]
+        non_neg = Annotated[int, msgspec.Meta(ge=0)]
+        fields: list[Any] = [
+            ("rids", Annotated[tuple[str, ...], msgspec.Meta(max_length=max_rows)]),
+            ("output_ids", tuple[toks, ...]),
+            ("finished_reasons", tuple[str, ...]),
+            ("prompt_tokens", tuple[tid, ...]),
+            ("completion_tokens", tuple[tid, ...]),
+            ("cached_tokens", tuple[tid, ...]),
+            ("logprob_vals", tuple[vals, ...]),
+            ("logprob_ids", tuple[toks, ...]),
+            *((name, non_neg, 0) for name in _SCALARS),
+        ]
+        cls = msgspec.defstruct("_Batch", fields, array_like=True, tag=BATCH_TAG, gc=False)
+        dec = _DECODERS[key] = msgspec.msgpack.Decoder(cls)
+    return dec
+
+
+def _array_len(payload: Any) -> int:
+    """Elements of the msgpack array ``payload`` starts with, or -1 if it is no array."""
+    if not payload:
+        return -1
+    b: int = payload[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(payload) >= 3:
+        return int.from_bytes(payload[1:3], "big")
+    if b == 0xDD and len(payload) >= 5:
+        return int.from_bytes(payload[1:5], "big")
+    return -1
+
+
 def decode_outputs(frames: Sequence[bytes]) -> TokenSpeedBatch:
     """Decode one output message ``[payload, *aux]`` (the hot path: once per engine step).
 
     Wire format: TokenSpeed 0.1.1 ``BatchTokenIDOutSlim`` (tagged, array_like). One
-    ``msgpack.unpackb`` (arrays as tuples) and a fixed number of C-level passes over the
-    columns (``set(map(type, col))``, ``min``, ``max(map(len, col))``): no per-token
-    Python objects, no per-row Python loop. The decoded tuples become the batch's
-    columns as they are. 9- and 10-element legacy batches take 0 for the missing tail;
-    elements after the 14th and aux frames after the payload are ignored.
+    ``msgspec`` typed decode (the checks below are its types and ``Meta`` constraints,
+    as TokenSpeed's own decoder reads the struct), then the ragged-column checks on the
+    decoded tuples, which become the batch's columns as they are. A message the typed
+    decode refuses (and one with more than 14 elements, whose tail msgspec would skip
+    unread) goes through :func:`_decode_outputs_msgpack`, the msgpack reference
+    decoder, which raises the error naming the field (or, should it accept what msgspec
+    refused, returns its batch): the errors are that decoder's. 9- and 10-element legacy
+    batches take 0 for the missing tail; elements after the 14th and aux frames after the
+    payload are ignored.
 
     Checked: the tag; ``rids`` an array of str of at most ``limits.MAX_OUTPUTS_PER_MESSAGE``;
     every column exactly ``len(rids)`` long (the two logprob columns included);
@@ -261,6 +309,55 @@ def decode_outputs(frames: Sequence[bytes]) -> TokenSpeedBatch:
             ``limits.MAX_FRAME_BYTES``, undecodable msgpack, a pickle/unknown ext type,
             a wrong tag ("wrong msgspec tag"), fewer than 9 elements, or any check above
             (the message names the column and index).
+    """
+    max_frame = _limits.MAX_FRAME_BYTES
+    if frames and all(len(f) <= max_frame for f in frames):
+        payload = frames[0]
+        n = _array_len(payload)
+        if BATCH_MIN_ELEMENTS <= n <= BATCH_ELEMENTS:
+            max_tokens = _limits.MAX_TOKENS_PER_TICK
+            try:
+                b = _batch_decoder(_limits.MAX_OUTPUTS_PER_MESSAGE, max_tokens, _max_token_id()).decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                b = None
+            if b is not None:
+                m = len(b.rids)
+                lp_vals, lp_ids = b.logprob_vals, b.logprob_ids
+                if (
+                    len(b.output_ids) == m == len(b.finished_reasons) == len(b.prompt_tokens)
+                    and len(b.completion_tokens) == m == len(b.cached_tokens) == len(lp_vals) == len(lp_ids)
+                    and (
+                        (lp_vals.count(()) == m == lp_ids.count(()))
+                        or tuple(map(len, lp_vals)) == tuple(map(len, lp_ids))
+                    )
+                ):
+                    return TokenSpeedBatch(
+                        engine_index=b.engine_index,
+                        rids=b.rids,
+                        output_ids=b.output_ids,
+                        finished_reasons=b.finished_reasons,
+                        prompt_tokens=b.prompt_tokens,
+                        completion_tokens=b.completion_tokens,
+                        cached_tokens=b.cached_tokens,
+                        logprob_vals=lp_vals,
+                        logprob_ids=lp_ids,
+                        num_running=b.num_running,
+                        num_waiting=b.num_waiting,
+                        kv_active_pages=b.kv_active_pages,
+                        kv_total_pages=b.kv_total_pages,
+                        wire_elements=n,
+                    )
+    return _decode_outputs_msgpack(frames)
+
+
+def _decode_outputs_msgpack(frames: Sequence[bytes]) -> TokenSpeedBatch:
+    """:func:`decode_outputs` with ``msgpack.unpackb`` and Python checks: the reference
+    decoder, and the path of every message the typed decode refuses (its errors name
+    the column and index).
+
+    One ``msgpack.unpackb`` (arrays as tuples) and a fixed number of C-level passes over
+    the columns (``set(map(type, col))``, ``min``, ``max(map(len, col))``): no per-token
+    Python objects, no per-row Python loop.
     """
     obj = _unpack_output_message(frames, "BatchTokenIDOutSlim")
     if type(obj) is not tuple or not obj:
