@@ -11,7 +11,9 @@ separated by ``b"|FRAME|"`` (aux frames are ignored by the decoder, which is
 checked too). Odd: a golden batch (14, 10 and 9 elements) mutated structurally
 (``_common.mutate_message``; the rest of the input drives it).
 
-Contract: only ``RemoteProtocolError``; an accepted batch has parallel columns of
+Contract: only ``RemoteProtocolError``; the msgspec typed decode and the msgpack
+reference decoder (``_decode_outputs_msgpack``) accept the same messages and agree on
+them; an accepted batch has parallel columns of
 ``len(rids)`` entries, str rids and reasons, ints in ``0..2**32-1`` for counts
 and token ids, numbers for logprob values with one id each, non-negative
 scalars, at most ``MAX_TOKENS_PER_TICK`` tokens per rid and
@@ -82,7 +84,13 @@ def test_one_input(data: bytes) -> None:
     else:
         frames = C.split_frames(data[1:])
     ok, batch = C.only_typed(RemoteProtocolError, ts.decode_outputs, frames)
+    # The msgspec typed decode accepts exactly what the msgpack reference decoder
+    # accepts, and decodes it to the same batch (it falls back to the reference for
+    # everything it refuses, so a refusal it should not make goes unseen but costs time).
+    ref_ok, ref = C.only_typed(RemoteProtocolError, ts._decode_outputs_msgpack, frames)  # noqa: SLF001
+    assert ok == ref_ok, f"msgspec {'accepts' if ok else 'refuses'} what the msgpack reference does not"
     if ok:
+        assert _canon(batch) == _canon(ref) and batch.wire_elements == ref.wire_elements
         check_batch(batch, len(frames[0]))
         # Aux frames after the payload are ignored.
         assert _canon(ts.decode_outputs(frames[:1])) == _canon(batch)

@@ -598,6 +598,25 @@ def test_whatever_decodes_is_a_well_formed_batch(value: object) -> None:
     assert all(type(x) is int and x >= 0 for x in scalars)
 
 
+@settings(deadline=None, max_examples=300, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(msgpack_values | mutated())
+def test_typed_decode_agrees_with_the_msgpack_reference(value: object) -> None:
+    """decode_outputs (msgspec typed, falling back to the reference for what it refuses)
+    accepts what ``_decode_outputs_msgpack`` accepts, with the same batch, and nothing else."""
+    frames = [msgpack.packb(value, use_bin_type=True)]
+    try:
+        ref = ts._decode_outputs_msgpack(frames)
+    except RemoteProtocolError as exc:
+        with pytest.raises(RemoteProtocolError) as got:
+            ts.decode_outputs(frames)
+        assert str(got.value) == str(exc)
+        return
+    b = ts.decode_outputs(frames)
+    assert ts_engine.encode_outputs(b, elements=min(b.wire_elements, ts.BATCH_ELEMENTS)) == ts_engine.encode_outputs(
+        ref, elements=min(ref.wire_elements, ts.BATCH_ELEMENTS))
+    assert b.wire_elements == ref.wire_elements
+
+
 @pytest.mark.parametrize("code", [1, 2, 4])
 def test_pickle_and_unknown_ext_types_are_refused(code: int) -> None:
     ext = msgpack.ExtType(code, b"\x80\x04N.")

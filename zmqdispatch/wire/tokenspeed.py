@@ -1,7 +1,8 @@
 """Client side of TokenSpeed's direct msgpack ZMQ wire (TokenSpeed 0.1.1, ``--zmq-msgpack``), sans-IO.
 
-What a front-end sends and reads, in one file: :func:`encode_add`, :func:`encode_abort`
-and :func:`decode_outputs` (the hot path, once per scheduler step), plus the
+What a front-end sends and reads, in one import: :func:`encode_add`, :func:`encode_abort`
+and :func:`decode_outputs` (the hot path, once per scheduler step; defined with the output
+batch in :mod:`zmqdispatch.wire.tokenspeed_outputs` and re-exported), plus the
 ready-response view (:func:`decode_ready_response`, :func:`is_tokenspeed`). The
 engine's side (decoding ADD / ABORT as TokenSpeed's receiver does, encoding output
 batches and TokenSpeed's handshake maps: the mock engine and tests) is
@@ -47,17 +48,14 @@ bytes that do not decode; every encoder raises
 
 from __future__ import annotations
 
-import array
 import enum
-import itertools
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from zmqdispatch import limits as _limits
-from zmqdispatch.errors import LocalProtocolError, RemoteProtocolError
+from zmqdispatch.errors import LocalProtocolError
 from zmqdispatch.wire import vllm as _vllm
 from zmqdispatch.wire import vllm_handshake as _handshake
 from zmqdispatch.wire.schema import (
@@ -84,10 +82,40 @@ from zmqdispatch.wire.schema import (
     _spec,
     _tname,
     _to_positional,
-    _unpack_output_message,
     is_dead_sentinel,
 )
 from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
+# The output side (decode_outputs and what it returns) lives in wire.tokenspeed_outputs;
+# re-exported so that this module stays the client side of the wire in one import.
+from zmqdispatch.wire.tokenspeed_outputs import (  # re-exports (`x as x`), private ones included
+    BATCH_ELEMENTS as BATCH_ELEMENTS,
+    BATCH_MIN_ELEMENTS as BATCH_MIN_ELEMENTS,
+    BATCH_TAG as BATCH_TAG,
+    FINISH_ABORT as FINISH_ABORT,
+    FINISH_LENGTH as FINISH_LENGTH,
+    FINISH_RUNNING as FINISH_RUNNING,
+    FINISH_STOP as FINISH_STOP,
+    LoadSnapshot as LoadSnapshot,
+    TokenSpeedBatch as TokenSpeedBatch,
+    TokenSpeedOutput as TokenSpeedOutput,
+    _COLUMNS as _COLUMNS,
+    _INT_T as _INT_T,
+    _NUM_T as _NUM_T,
+    _SCALARS as _SCALARS,
+    _STR_T as _STR_T,
+    _TAIL_PADS as _TAIL_PADS,
+    _TUPLE_T as _TUPLE_T,
+    _U32 as _U32,
+    _bad_batch as _bad_batch,
+    _check_flat_column as _check_flat_column,
+    _check_logprob_columns as _check_logprob_columns,
+    _check_nested_column as _check_nested_column,
+    _decode_outputs_msgpack as _decode_outputs_msgpack,
+    _first_bad as _first_bad,
+    _max_token_id as _max_token_id,
+    _out_of_range as _out_of_range,
+    decode_outputs as decode_outputs,
+)
 
 __all__ = [
     "BATCH_ELEMENTS",
@@ -153,11 +181,8 @@ class RequestType(enum.IntEnum):
 _TYPE_FRAMES = {t: bytes((t,)) for t in RequestType}
 
 
-
 #: Element 0 of an ADD payload.
 REQUEST_TAG = "TokenizedGenerateReqInput"
-#: Element 0 of an output batch.
-BATCH_TAG = "BatchTokenIDOutSlim"
 
 #: ``top_k`` value meaning "disabled" after TokenSpeed's derivation (the API's -1).
 TOP_K_DISABLED = 1 << 30
@@ -175,20 +200,6 @@ SAMPLING_PARAMS_LEN = 29
 REQUEST_ELEMENTS = 25
 #: Shortest ADD payload TokenSpeed decodes: tag .. ``sampling_params`` (no default).
 REQUEST_MIN_ELEMENTS = 6
-#: Elements of a 0.1.1 output batch (tag + 13 fields).
-BATCH_ELEMENTS = 14
-#: Shortest output batch that decodes: tag + the 8 columns without a default.
-BATCH_MIN_ELEMENTS = 9
-
-#: ``finished_reasons`` entry of a request that is still running.
-FINISH_RUNNING = ""
-#: Matched stop token / EOS / stop string / grammar termination (the token is in ``output_ids``).
-FINISH_STOP = "stop"
-#: ``max_new_tokens`` reached.
-FINISH_LENGTH = "length"
-#: Any engine-side abort: ingress validation failure, grammar failure, pause-abort. A
-#: client ABORT produces no frame at all.
-FINISH_ABORT = "abort"
 
 
 # =========================================================================== field kinds
@@ -500,297 +511,6 @@ def encode_abort(request_ids: Sequence[str]) -> bytes:
     arrives later. Raises LocalProtocolError for a bare str or a non-str id.
     """
     return _vllm.encode_abort(request_ids)
-
-
-# =========================================================================== outputs
-
-
-@attrs.frozen
-class LoadSnapshot:
-    """The scheduler load an output batch carries (only when ``kv_total_pages > 0``).
-
-    Recorded each scheduler round, so only as fresh as the last output: an idle engine
-    sends nothing. ``kv_usage`` = active / total pages.
-    """
-
-    engine_index: int
-    num_running: int
-    num_waiting: int
-    kv_active_pages: int
-    kv_total_pages: int
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of KV pages in use (0..1); only for a snapshot with pages."""
-        return self.kv_active_pages / self.kv_total_pages
-
-
-@attrs.frozen
-class TokenSpeedOutput:
-    """One request's slice of a batch (a convenience view; the hot path reads columns).
-
-    ``finish_reason`` is None while running, else the wire string (``"stop"``,
-    ``"length"``, ``"abort"``; other strings are passed through).
-    """
-
-    rid: str
-    output_ids: tuple[int, ...]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    logprob_vals: tuple[float, ...]
-    logprob_ids: tuple[int, ...]
-
-
-@attrs.define(slots=True, kw_only=True)
-class TokenSpeedBatch:
-    """One decoded output message (TokenSpeed 0.1.1 ``BatchTokenIDOutSlim``).
-
-    Every column is a tuple parallel to ``rids`` (checked). Attributes:
-        engine_index: the producing rank's identity index (the output PULL carries no
-            identity); 0 on a 9-element legacy batch.
-        rids: requests that emit this step (each rid at most once per batch in practice).
-        output_ids: per rid, the tokens generated since its previous frame (several with
-            speculative decoding; the token that caused a ``"stop"`` is included).
-        finished_reasons: per rid, ``""`` while running, else ``"stop"``/``"length"``/
-            ``"abort"``. Exactly one non-empty reason per request, on its last frame.
-        prompt_tokens: per rid, the prompt length (multimodal: padded).
-        completion_tokens: per rid, the *cumulative* generated count.
-        cached_tokens: per rid, prefix-cache hit tokens.
-        logprob_vals / logprob_ids: per rid, the sampled tokens' logprobs (float) and ids,
-            parallel to each other; ``()`` when the request did not ask. They may be
-            shorter than ``output_ids`` (TokenSpeed ships one less when a PD prefill peer
-            sent no logprob for its bootstrap token).
-        num_running, num_waiting, kv_active_pages, kv_total_pages: the load snapshot;
-            ``kv_total_pages == 0`` means none (always so on 9/10-element batches).
-        wire_elements: how many array elements the message had (9, 10, 14, or more from
-            a newer engine); not part of equality.
-    """
-
-    engine_index: int = 0
-    rids: tuple[str, ...] = ()
-    output_ids: tuple[tuple[int, ...], ...] = ()
-    finished_reasons: tuple[str, ...] = ()
-    prompt_tokens: tuple[int, ...] = ()
-    completion_tokens: tuple[int, ...] = ()
-    cached_tokens: tuple[int, ...] = ()
-    logprob_vals: tuple[tuple[float, ...], ...] = ()
-    logprob_ids: tuple[tuple[int, ...], ...] = ()
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_active_pages: int = 0
-    kv_total_pages: int = 0
-    wire_elements: int = attrs.field(default=BATCH_ELEMENTS, eq=False)
-
-    def __len__(self) -> int:
-        return len(self.rids)
-
-    @property
-    def load(self) -> LoadSnapshot | None:
-        """The load snapshot, or None when the batch carries none (``kv_total_pages == 0``)."""
-        if self.kv_total_pages <= 0:
-            return None
-        return LoadSnapshot(
-            self.engine_index, self.num_running, self.num_waiting, self.kv_active_pages, self.kv_total_pages
-        )
-
-    def finished_rids(self) -> tuple[str, ...]:
-        """Rids whose reason is non-empty (there is no separate finished list on this wire)."""
-        return tuple([r for r, f in zip(self.rids, self.finished_reasons) if f])
-
-    def outputs(self) -> Iterator[TokenSpeedOutput]:
-        """Per-request views, in column order."""
-        for row in zip(
-            self.rids,
-            self.output_ids,
-            self.finished_reasons,
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.cached_tokens,
-            self.logprob_vals,
-            self.logprob_ids,
-        ):
-            yield TokenSpeedOutput(row[0], row[1], row[2] or None, *row[3:])
-
-
-_COLUMNS = (
-    "rids",
-    "output_ids",
-    "finished_reasons",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "logprob_vals",
-    "logprob_ids",
-)
-_SCALARS = ("engine_index", "num_running", "num_waiting", "kv_active_pages", "kv_total_pages")
-# _TAIL_PADS[n] pads an n-element batch (9 <= n < 14) to 14 with the defaults (0).
-_TAIL_PADS = {n: (0,) * (BATCH_ELEMENTS - n) for n in range(BATCH_MIN_ELEMENTS, BATCH_ELEMENTS)}
-_STR_T: set[type] = {str}
-_INT_T: set[type] = {int}
-_TUPLE_T: set[type] = {tuple}
-_NUM_T: set[type] = {int, float}
-
-
-def _bad_batch(what: str) -> RemoteProtocolError:
-    return RemoteProtocolError(f"BatchTokenIDOutSlim.{what}")
-
-
-def _first_bad(col: Sequence[Any], ok: Callable[[Any], bool]) -> int:
-    return next((i for i, x in enumerate(col) if not ok(x)), -1)
-
-
-def _max_token_id() -> int:
-    # Token ids and counts travel on as uint32 (the gateway protos), so larger ones are
-    # refused here rather than failing later outside the RemoteProtocolError contract.
-    return getattr(_limits, "MAX_TOKEN_ID", 2**32 - 1)
-
-
-_U32 = array.array("I").itemsize == 4
-
-
-def _out_of_range(values: Callable[[], Any], bound: int) -> bool:
-    """True if some int of ``values()`` is outside 0..bound (types already checked).
-
-    For the usual uint32 bound, one ``array("I", ...)`` conversion (C-level, refuses
-    negatives and anything above 2**32-1) replaces a ``min`` and a ``max`` pass.
-    """
-    if bound == 0xFFFFFFFF and _U32:
-        try:
-            array.array("I", values())
-        except OverflowError:
-            return True
-        return False
-    return min(values(), default=0) < 0 or max(values(), default=0) > bound
-
-
-def _check_flat_column(name: str, col: Any, m: int, types: set[type], *, bound: int | None) -> None:
-    if type(col) is not tuple or len(col) != m:
-        raise _bad_batch(f"{name}: expected an array of {m} elements (ragged columns), got "
-                         f"{len(col) if type(col) is tuple else _tname(col)}")
-    if not set(map(type, col)) <= types:
-        i = _first_bad(col, lambda x: type(x) in types)
-        raise _bad_batch(f"{name}[{i}]: expected {'/'.join(sorted(t.__name__ for t in types))}, got {_tname(col[i])}")
-    if bound is not None and m and _out_of_range(lambda: col, bound):
-        i = _first_bad(col, lambda x: 0 <= x <= bound)
-        raise _bad_batch(f"{name}[{i}]: {col[i]} is not in 0..{bound}")
-
-
-def _check_nested_column(name: str, col: Any, m: int, types: set[type], *, bound: int | None, max_len: int) -> None:
-    if type(col) is not tuple or len(col) != m:
-        raise _bad_batch(f"{name}: expected an array of {m} elements (ragged columns), got "
-                         f"{len(col) if type(col) is tuple else _tname(col)}")
-    if not m:
-        return
-    if not set(map(type, col)) <= _TUPLE_T:
-        i = _first_bad(col, lambda x: type(x) is tuple)
-        raise _bad_batch(f"{name}[{i}]: expected an array, got {_tname(col[i])}")
-    if max(map(len, col)) > max_len:
-        i = _first_bad(col, lambda x: len(x) <= max_len)
-        raise _bad_batch(f"{name}[{i}]: {len(col[i])} entries exceed MAX_TOKENS_PER_TICK ({max_len})")
-    if not set(map(type, itertools.chain.from_iterable(col))) <= types:
-        i = _first_bad(col, lambda row: all(type(x) in types for x in row))
-        raise _bad_batch(f"{name}[{i}]: expected an array of {'/'.join(sorted(t.__name__ for t in types))}")
-    if bound is not None and _out_of_range(lambda: itertools.chain.from_iterable(col), bound):
-        i = _first_bad(col, lambda row: all(0 <= x <= bound for x in row))
-        raise _bad_batch(f"{name}[{i}]: a token id outside 0..{bound}")
-
-
-def decode_outputs(frames: Sequence[bytes]) -> TokenSpeedBatch:
-    """Decode one output message ``[payload, *aux]`` (the hot path: once per engine step).
-
-    Wire format: TokenSpeed 0.1.1 ``BatchTokenIDOutSlim`` (tagged, array_like). One
-    ``msgpack.unpackb`` (arrays as tuples) and a fixed number of C-level passes over the
-    columns (``set(map(type, col))``, ``min``, ``max(map(len, col))``): no per-token
-    Python objects, no per-row Python loop. The decoded tuples become the batch's
-    columns as they are. 9- and 10-element legacy batches take 0 for the missing tail;
-    elements after the 14th and aux frames after the payload are ignored.
-
-    Checked: the tag; ``rids`` an array of str of at most ``limits.MAX_OUTPUTS_PER_MESSAGE``;
-    every column exactly ``len(rids)`` long (the two logprob columns included);
-    ``finished_reasons`` str; counts ints in ``0..limits.MAX_TOKEN_ID`` (uint32, what the
-    gateway protos carry); ``output_ids`` and ``logprob_ids`` arrays of ints in that
-    range, ``logprob_vals`` arrays of numbers (ints are accepted,
-    as msgspec does, and left as ints), each at most ``limits.MAX_TOKENS_PER_TICK`` long;
-    ``logprob_vals[i]`` and ``logprob_ids[i]`` of equal length; the five scalars
-    non-negative ints.
-
-    Raises:
-        RemoteProtocolError: the ``ENGINE_CORE_DEAD`` sentinel (check
-            :func:`is_dead_sentinel` first), no frames, a frame over
-            ``limits.MAX_FRAME_BYTES``, undecodable msgpack, a pickle/unknown ext type,
-            a wrong tag ("wrong msgspec tag"), fewer than 9 elements, or any check above
-            (the message names the column and index).
-    """
-    obj = _unpack_output_message(frames, "BatchTokenIDOutSlim")
-    if type(obj) is not tuple or not obj:
-        raise RemoteProtocolError(f"BatchTokenIDOutSlim: expected a tagged array, got {_tname(obj)}")
-    tag = obj[0]
-    if type(tag) is not str or tag != BATCH_TAG:
-        raise RemoteProtocolError(f"wrong msgspec tag: expected {BATCH_TAG!r}, got {tag!r:.60}")
-    n = len(obj)
-    if n != BATCH_ELEMENTS:
-        if n < BATCH_MIN_ELEMENTS:
-            raise RemoteProtocolError(
-                f"BatchTokenIDOutSlim: missing positional field {_COLUMNS[n - 1]!r} "
-                f"(got {n} elements, need >= {BATCH_MIN_ELEMENTS})"
-            )
-        obj = obj[:BATCH_ELEMENTS] if n > BATCH_ELEMENTS else obj + _TAIL_PADS[n]
-    (_tag, rids, output_ids, reasons, prompt, completion, cached, lp_vals, lp_ids,
-     engine_index, num_running, num_waiting, kv_active, kv_total) = obj
-
-    for name, v in zip(_SCALARS, (engine_index, num_running, num_waiting, kv_active, kv_total)):
-        if type(v) is not int or v < 0:
-            raise _bad_batch(f"{name}: expected a non-negative int, got {v!r:.40}")
-    if type(rids) is not tuple:
-        raise _bad_batch(f"rids: expected an array, got {_tname(rids)}")
-    m = len(rids)
-    if m > _limits.MAX_OUTPUTS_PER_MESSAGE:
-        raise _bad_batch(f"rids: {m} requests exceed MAX_OUTPUTS_PER_MESSAGE")
-    max_tokens = _limits.MAX_TOKENS_PER_TICK
-    max_id = _max_token_id()
-    _check_flat_column("rids", rids, m, _STR_T, bound=None)
-    _check_nested_column("output_ids", output_ids, m, _INT_T, bound=max_id, max_len=max_tokens)
-    _check_flat_column("finished_reasons", reasons, m, _STR_T, bound=None)
-    _check_flat_column("prompt_tokens", prompt, m, _INT_T, bound=max_id)
-    _check_flat_column("completion_tokens", completion, m, _INT_T, bound=max_id)
-    _check_flat_column("cached_tokens", cached, m, _INT_T, bound=max_id)
-    if (
-        type(lp_vals) is tuple
-        and type(lp_ids) is tuple
-        and len(lp_vals) == m == len(lp_ids)
-        and lp_vals.count(()) == m == lp_ids.count(())
-    ):
-        pass  # the common case, no request asked for logprobs: every row is empty
-    else:
-        _check_logprob_columns(lp_vals, lp_ids, m, max_tokens, max_id)
-    return TokenSpeedBatch(
-        engine_index=engine_index,
-        rids=rids,
-        output_ids=output_ids,
-        finished_reasons=reasons,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        cached_tokens=cached,
-        logprob_vals=lp_vals,
-        logprob_ids=lp_ids,
-        num_running=num_running,
-        num_waiting=num_waiting,
-        kv_active_pages=kv_active,
-        kv_total_pages=kv_total,
-        wire_elements=n,
-    )
-
-
-def _check_logprob_columns(lp_vals: Any, lp_ids: Any, m: int, max_tokens: int, max_id: int) -> None:
-    _check_nested_column("output_token_logprobs_val", lp_vals, m, _NUM_T, bound=None, max_len=max_tokens)
-    _check_nested_column("output_token_logprobs_idx", lp_ids, m, _INT_T, bound=max_id, max_len=max_tokens)
-    if m and tuple(map(len, lp_vals)) != tuple(map(len, lp_ids)):
-        i = _first_bad(range(m), lambda k: len(lp_vals[k]) == len(lp_ids[k]))
-        raise _bad_batch(
-            f"output_token_logprobs_val[{i}]: {len(lp_vals[i])} values for {len(lp_ids[i])} token ids"
-        )
 
 
 # =========================================================================== handshake
