@@ -232,6 +232,11 @@ class EngineClient:
         self._placement = Placement(self._set, rng=rng)
         self._serving = serving = serving if serving is not None else _Serving()
         self._members = serving.members
+        #: the engine with the smallest ``max_model_len`` (unpinned requests are checked
+        #: there), recomputed when an engine joins
+        self._narrowest: Engine | None = None
+        #: the runtime of the first engine that joined (every engine's, the shell checks)
+        self._runtime: Runtime | None = None
         self._drains: dict[int, trio.Event] = {}
         self._changed = trio.Event()  # set (and replaced) on every engine state change
         serving.engine_joined = self._engine_joined
@@ -324,7 +329,8 @@ class EngineClient:
     @property
     def runtime(self) -> Runtime:
         """The engines' runtime (all engines of one client speak the same one)."""
-        return self._any().runtime
+        runtime = self._runtime
+        return runtime if runtime is not None else self._any().runtime
 
     @property
     def engine_index(self) -> int | None:
@@ -419,7 +425,11 @@ class EngineClient:
                 )
             return self._members[pin].engine
         # The smallest context window: a request valid there is valid on every engine.
-        return min((m.engine for m in self._members.values()), key=lambda c: c.max_model_len)
+        narrowest = self._narrowest
+        if narrowest is None:
+            narrowest = self._narrowest = min((m.engine for m in self._members.values()),
+                                              key=lambda c: c.max_model_len)
+        return narrowest
 
     def _check_quorum(self) -> None:
         if self._serving.closed:
@@ -450,8 +460,7 @@ class EngineClient:
     def _place(self, request_id: str, pin: int | None) -> Engine:
         """Place one request (its stream is being entered) and return its engine."""
         self._check_quorum()
-        route = self._placement.place(request_id, data_parallel_rank=pin)
-        return self._members[route.engine_index].engine
+        return self._members[self._placement.place_one(request_id, pin).index].engine
 
     def generate(self, request: EngineRequest, *, deadlines: Deadlines | None = None) -> RequestStream:
         """Validate *request*; return its stream (use ``async with``).
@@ -703,6 +712,9 @@ class EngineClient:
             route = self._set.add_engine(index)
         member.route = route
         self._members[index] = member
+        self._narrowest = None
+        if self._runtime is None:
+            self._runtime = member.engine.runtime
         conn = member.connection
         protocol = conn.protocol
         engines = self._set

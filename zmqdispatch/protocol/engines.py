@@ -370,7 +370,7 @@ class EngineSet:
 
     @property
     def up_count(self) -> int:
-        return sum(1 for e in self._engines.values() if e.state is EngineState.UP)
+        return len(self._up)
 
     @property
     def live_count(self) -> int:
@@ -379,7 +379,7 @@ class EngineSet:
 
     def has_quorum(self, k: int) -> bool:
         """At least ``k`` engines are up."""
-        return self.up_count >= k
+        return len(self._up) >= k
 
     @property
     def total_in_flight(self) -> int:
@@ -403,6 +403,21 @@ class EngineSet:
         """Placement: the ``up`` engines' records and their scores, index-aligned
         (the set's own lists: read only)."""
         return self._up, self._up_scores
+
+    def start_one(self, e: EngineRecord, request_id: str) -> None:
+        """Placement: :meth:`start_on` for one id, refusing a live one.
+
+        Raises:
+            DuplicateRequestIdError: the id is live on some engine (nothing recorded).
+        """
+        table = self._table
+        if request_id in table:
+            self.check_new_ids((request_id,))
+        requests = e.requests
+        requests[request_id] = None
+        table[request_id] = e
+        if e.pos >= 0:
+            self._up_scores[e.pos] = len(requests) + e.extra
 
     def start_on(self, e: EngineRecord, request_ids: Iterable[str]) -> None:
         """Placement: *request_ids* start on engine *e* (placed, checked by the caller)."""

@@ -183,6 +183,14 @@ class Placement:
         engines.start_on(e, ids)
         return Route(e.index, e.incarnation)
 
+    def place_one(self, request_id: str, data_parallel_rank: int | None = None) -> EngineRecord:
+        """:meth:`place` for one request id (the path of every ``generate``): the
+        same choice, checks and errors; returns the engine's record."""
+        e = (self._least_loaded() if data_parallel_rank is None
+             else self._pinned(self.engines.records(), data_parallel_rank, request_id))
+        self.engines.start_one(e, request_id)
+        return e
+
     def choose(self) -> int:
         """The engine an unpinned request would go to now, without recording anything.
 
@@ -212,6 +220,8 @@ class Placement:
                 "no engine is up to take the request: " + ", ".join(f"engine {i} {w}" for i, w in words.items()),
                 states=words,
             )
+        if len(ups) == 1:
+            return ups[0]
         # The loads are kept current by the engine set: min / count / index run in C.
         best = min(scores)
         n = scores.count(best)
