@@ -130,9 +130,11 @@ def test_bad_prefill_stats_fall_back_to_the_reference() -> None:
     frames = [msgpack.packb([0, [_row("a", prefill_stats={"num_prompt_tokens": 5}),
                                  _row("b", prefill_stats={"num_cached_tokens": -1})], None, 1.0])]
     typed_only(frames)  # msgspec itself takes it
-    msg = w.decode_outputs(frames)
-    assert [r.request_id for r in msg.outputs] == ["a"] and msg.outputs[0].prefill_stats == {"num_prompt_tokens": 5}
-    assert [(rid, "prefill_stats" in str(e)) for rid, e in msg.bad_rows] == [("b", True)]
+    for payload in (frames[0], bytearray(frames[0]), memoryview(frames[0])):
+        msg = w.decode_outputs([payload])
+        assert [r.request_id for r in msg.outputs] == ["a"]
+        assert msg.outputs[0].prefill_stats == {"num_prompt_tokens": 5}
+        assert [(rid, "prefill_stats" in str(e)) for rid, e in msg.bad_rows] == [("b", True)]
 
 
 def test_opaque_fields_hold_lists_on_both_paths() -> None:

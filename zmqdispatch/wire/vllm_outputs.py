@@ -233,8 +233,9 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
     Wire format: vLLM 0.32.0 ``vllm/v1/engine/__init__.py`` ``EngineCoreOutputs`` /
     ``EngineCoreOutput`` (array_like, ``omit_defaults``). One ``msgspec`` typed decode
     into :class:`EngineCoreOutputRow` rows (the row checks are its types and ``Meta``
-    constraints, as vLLM's own decoder reads these structs), then one C-level pass for
-    the rows carrying ``prefill_stats``; no per-token objects. Envelopes of 2 to 9
+    constraints, as vLLM's own decoder reads these structs), then the prefill counts of
+    the rows that carry ``prefill_stats`` (only if the payload holds their keys at all);
+    no per-token objects. Envelopes of 2 to 9
     elements and rows of 2 to 19 take vLLM's defaults for what is missing; elements
     after a row's 19th (a newer vLLM's fields) are skipped unread, as msgspec skips
     fields it does not know.
@@ -265,8 +266,13 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
                 m = None
             if m is not None:
                 rows = m.outputs
-                stats = list(map(_prefill_of, rows))
-                if stats.count(None) == len(stats) or all(ps is None or _prefill_stats_ok(ps, max_id) for ps in stats):
+                # The prefill counts are checked here; a payload in which neither key
+                # occurs (a steady decode step) holds none to check.
+                if (
+                    (type(payload) is bytes and b"num_prompt_tokens" not in payload
+                     and b"num_cached_tokens" not in payload)
+                    or all(_prefill_stats_ok(ps, max_id) for ps in filter(None, map(_prefill_of, rows)))
+                ):
                     u = m.utility_output
                     return EngineCoreOutputs(
                         m.engine_index,
