@@ -381,8 +381,8 @@ def test_outputs_missing_trailing_elements_take_defaults(
         if i >= env_len:
             assert getattr(d, key) == defaults[i], key
     default_row = (None,) * 13 + (0,) + (None,) * 5  # vLLM's defaults; num_nans_in_logits = 0
-    for struct, full in zip(d.outputs, full_rows):
-        row = msgspec.structs.astuple(struct)
+    for decoded, full in zip(d.outputs, full_rows):
+        row = msgspec.structs.astuple(decoded)
         assert len(row) == len(w.ROW_FIELDS)
         assert row[:row_len] == full[:row_len]
         assert row[row_len:] == default_row[row_len:]

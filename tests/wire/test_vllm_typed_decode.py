@@ -11,6 +11,7 @@ reference refuses there (a pickle ext type) is accepted.
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import attrs
 import msgpack
@@ -33,7 +34,7 @@ def view(m: w.EngineCoreOutputs) -> tuple[str, list[tuple[str | None, str]]]:
     return repr(attrs.evolve(m, bad_rows=())), [(rid, str(exc)) for rid, exc in m.bad_rows]
 
 
-def typed_only(frames: list[bytes]) -> object:
+def typed_only(frames: list[bytes]) -> Any:
     """The bare typed decode (no fallback), for asserting that it took a message."""
     _row, dec = w._typed(limits.MAX_OUTPUTS_PER_MESSAGE, limits.MAX_TOKENS_PER_TICK, limits.MAX_TOKEN_ID)
     return dec.decode(frames[0])
@@ -116,7 +117,7 @@ def _row(rid: str = "r", **fields: object) -> list:
 
 def test_one_bad_row_falls_back_and_fails_only_that_row() -> None:
     frames = [msgpack.packb([0, [_row("a"), _row("b", finish_reason=7), _row("c")], None, 1.0])]
-    with pytest.raises(msgspec.ValidationError, match="finish_reason|<= 4"):
+    with pytest.raises(msgspec.ValidationError, match=r"<= 4 - at `\$\[1\]\[1\]\[5\]`"):
         typed_only(frames)
     msg = w.decode_outputs(frames)
     assert [r.request_id for r in msg.outputs] == ["a", "c"]
@@ -167,7 +168,7 @@ def test_deep_nesting_msgspec_refuses_is_decoded_by_the_reference() -> None:
 
 def test_msgpack_timestamps_are_datetimes_on_both_paths() -> None:
     ts = msgpack.Timestamp(1, 0)
-    when = datetime.datetime(1970, 1, 1, 0, 0, 1, tzinfo=datetime.timezone.utc)
+    when = datetime.datetime(1970, 1, 1, 0, 0, 1, tzinfo=datetime.UTC)
     for rows in ([_row("a", trace_headers={"t": ts})], [_row("a", trace_headers={"t": ts}), ["b"]]):
         msg = w.decode_outputs([msgpack.packb([0, rows, None, 1.0])])
         assert msg.outputs[0].trace_headers == {"t": when}
