@@ -342,7 +342,26 @@ def _decode_outputs_msgpack(frames: Sequence[bytes]) -> EngineCoreOutputs:
     row_cls = _typed(_limits.MAX_OUTPUTS_PER_MESSAGE, max_tokens, max_id)[0]
     out: list[EngineCoreOutputRow] = []
     bad: list[tuple[str | None, RemoteProtocolError]] = []
+    full = _ROW_N - 1  # 0.32.0's 18 fields
+    _tuple, _int, _str, _dict = tuple, int, str, dict
     for i, row in enumerate(rows):
+        # The accepted shape of a full row first, one expression per field; the
+        # problem (or the padding of a short row) is worked out only for the others.
+        if type(row) is _tuple and len(row) >= full and type(row[0]) is _str:
+            toks = row[1]
+            if type(toks) is _tuple and len(toks) <= max_tokens:
+                for t in toks:
+                    if type(t) is not _int or t < 0 or t > max_id:
+                        break
+                else:
+                    fr, sr, ps = row[5], row[6], row[11]
+                    if (
+                        (fr is None or (type(fr) is _int and 0 <= fr <= 4))
+                        and (sr is None or type(sr) is _str or (type(sr) is _int and 0 <= sr <= max_id))
+                        and (ps is None or (type(ps) is _dict and _prefill_stats_ok(ps, max_id)))
+                    ):
+                        out.append(_row_struct(row_cls, row))
+                        continue
         problem = _row_problem(row, max_tokens, max_id)
         if type(problem) is tuple:
             out.append(_row_struct(row_cls, problem))
@@ -365,8 +384,22 @@ def _decode_outputs_msgpack(frames: Sequence[bytes]) -> EngineCoreOutputs:
     )
 
 
+_PLAIN_TAIL = _ROW_DEFAULTS[12:18]
+_NONE_3 = (None,) * 3
+_NONE_5 = (None,) * 5
+
+
 def _row_struct(row_cls: Any, row: tuple[Any, ...]) -> EngineCoreOutputRow:
     """A checked raw row (at least 18 elements) as the typed decode builds it."""
+    if (
+        row[2:5] == _NONE_3
+        and row[7:12] == _NONE_5
+        and row[12:18] == _PLAIN_TAIL
+        and (len(row) < _ROW_N or row[_ROW_N - 1] is None)
+    ):
+        # A plain decode tick: nothing to convert (no array in an ``Any`` field).
+        r0: EngineCoreOutputRow = row_cls(*row[:_ROW_N])
+        return r0
     values = list(row[:_ROW_N])
     for i in _OPAQUE_POSITIONS:
         if i < len(values) and values[i] is not None:
