@@ -235,10 +235,10 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
     into :class:`EngineCoreOutputRow` rows (the row checks are its types and ``Meta``
     constraints, as vLLM's own decoder reads these structs), then the prefill counts of
     the rows that carry ``prefill_stats`` (only if the payload holds their keys at all);
-    no per-token objects. Envelopes of 2 to 9
-    elements and rows of 2 to 19 take vLLM's defaults for what is missing; elements
-    after a row's 19th (a newer vLLM's fields) are skipped unread, as msgspec skips
-    fields it does not know.
+    no per-token objects. Envelopes of 2 to 9 elements and rows of 2 to 19 take vLLM's
+    defaults for what is missing; elements after a row's 19th (a newer vLLM's fields)
+    and after a ``utility_output``'s 3rd are skipped unread, as msgspec skips fields it
+    does not know (so junk there, which the reference would refuse, is not seen).
 
     A message the typed decode refuses (one bad row refuses the whole decode), a bad
     ``prefill_stats``, and an envelope of more than 9 elements go through
