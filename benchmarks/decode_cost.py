@@ -1,26 +1,25 @@
 #!/usr/bin/env python3
-"""Output-message decode cost: today's msgpack path against msgspec typed structs.
+"""Output-message decode cost: the msgpack reference decoders against msgspec typed structs.
 
 Builds realistic output messages with the engine-side encoders (C rows per message,
 each a request output with one new token, no logprobs, a few finished rows; for
 TokenSpeed the same as one ``BatchTokenIDOutSlim``) and decodes each, side by side in
 one run, with:
 
-- ``msgpack``: the msgpack decoders (``wire.vllm.decode_outputs`` /
+- ``msgpack``: the msgpack reference decoders (``wire.vllm._decode_outputs_msgpack`` /
   ``wire.tokenspeed._decode_outputs_msgpack``: one ``msgpack.unpackb`` with arrays as tuples plus
-  the checks);
+  the checks; the vLLM one also builds the ``EngineCoreOutputRow`` structs the client reads);
 - ``msgpack-raw``: the bare ``msgpack.unpackb`` those decoders start with (their floor);
 - ``msgspec``: ``msgspec.msgpack.Decoder(type=...)`` into ``array_like`` ``msgspec.Struct``
   classes shaped like vLLM's own (``EngineCoreOutputs`` / ``EngineCoreOutput``; TokenSpeed's
   tagged ``BatchTokenIDOutSlim``), the value checks today's decoders make expressed as
   ``msgspec.Meta`` constraints (token ids 0..MAX_TOKEN_ID, at most MAX_TOKENS_PER_TICK
   per row, finish_reason 0..4), the ext hook the same one (``wire.tensors.ext_hook``);
-- ``decode_outputs`` (TokenSpeed only): the hot path as the client calls it, msgspec
-  typed with the ragged-column checks, the batch built (today's msgpack path is kept as
-  ``_decode_outputs_msgpack``, the ``msgpack`` line);
-- ``msgspec+tuples`` (vLLM only): the same, each row then turned into the tuple the
-  callers index with ``O_*`` (``msgspec.structs.astuple``), i.e. the shape
-  ``decode_outputs`` returns today.
+- ``decode_outputs``: the hot path as the client calls it: msgspec typed (vLLM: into
+  ``EngineCoreOutputRow`` rows, plus the prefill-stats pass; TokenSpeed: with the
+  ragged-column checks), the message built (the msgpack reference is the ``msgpack`` line);
+- ``msgspec+tuples`` (vLLM only): the ``msgspec`` line with each row then turned into a
+  tuple (``msgspec.structs.astuple``): what rows indexed by position would cost.
 
 Prints µs per message and ns per row for each, and a calibration line (a fixed pure
 Python loop) to compare runs across machines. Never asserted in tests.
@@ -203,12 +202,13 @@ def calibration() -> float:
 
 
 def _check_same(c: int) -> None:
-    """The msgspec structs see what today's decoder sees (same rows, same envelope)."""
+    """The msgspec structs see what the reference decoder sees (same rows, same envelope)."""
     frames = vllm_message(c, 0, 3)
-    old = wire.decode_outputs(frames)
+    old = wire._decode_outputs_msgpack(frames)
+    assert wire.decode_outputs(frames) == old, "decode_outputs and the msgpack reference differ"
     new = VLLM_DECODER.decode(frames[0])
-    rows = tuple(_astuple(r)[: len(old.outputs[0])] for r in new.outputs)
-    assert rows == old.outputs, "vLLM rows differ"
+    rows = tuple(_astuple(r) for r in new.outputs)
+    assert rows == tuple(_astuple(r) for r in old.outputs), "vLLM rows differ"
     assert (new.engine_index, new.timestamp, new.weight_version) == (old.engine_index, old.timestamp,
                                                                       old.weight_version)
     frames = ts_message(c, 0, 3)
@@ -231,8 +231,9 @@ def main() -> None:
         _check_same(c)
         cases = {
             "vllm": ([vllm_message(c, s, args.finished) for s in range(8)], [
-                ("msgpack", wire.decode_outputs), ("msgpack-raw", _raw),
-                ("msgspec", _vllm_msgspec), ("msgspec+tuples", _vllm_msgspec_tuples)]),
+                ("msgpack", wire._decode_outputs_msgpack), ("msgpack-raw", _raw),
+                ("msgspec", _vllm_msgspec), ("msgspec+tuples", _vllm_msgspec_tuples),
+                ("decode_outputs", wire.decode_outputs)]),
             "tokenspeed": ([ts_message(c, s, args.finished) for s in range(8)], [
                 ("msgpack", ts._decode_outputs_msgpack), ("msgpack-raw", _raw), ("msgspec", _ts_msgspec),
                 ("decode_outputs", ts.decode_outputs)]),

@@ -10,10 +10,14 @@ a message through :class:`zmqdispatch.protocol.engine.EngineProtocol`.
 Contract checked on every input:
 
 - the decoders raise only ``RemoteProtocolError``;
+- the msgspec typed decode (``decode_outputs``) and the msgpack reference decoder
+  (``_decode_outputs_msgpack``) agree: the same rows, bad rows and envelope, or the
+  same error; the one difference allowed is junk in a tail msgspec skips unread (row
+  elements after the 19th, ``utility_output`` elements after the 3rd);
 - ``EngineProtocol.frames_received`` never raises, whatever the frames; a stream
   ends only with a ``ZmqDispatchError``;
 - memory stays bounded by the input: a decoded message holds at most one value
-  per input byte (plus the row padding to ``ROW_LEN``), decoded logprobs at most
+  per input byte (plus the defaults of the fields a short row omits), decoded logprobs at most
   4 values per input byte, and after routing the mailboxes of all requests hold
   at most 4 values (tokens, logprob ids/values/ranks and rows) per input byte.
 
@@ -35,7 +39,9 @@ not), inline or in aux frames, new or shared with earlier rows.
 from __future__ import annotations
 
 import atheris
+import attrs
 import msgpack
+import msgspec
 
 with atheris.instrument_imports():
     from zmqdispatch.errors import RemoteProtocolError, ZmqDispatchError
@@ -139,7 +145,7 @@ def _named_ids(frames: list[bytes]) -> list[str]:
     except RemoteProtocolError:
         return list(ids)
     for row in msg.outputs:
-        ids[row[wire.O_REQUEST_ID]] = None
+        ids[row.request_id] = None
     for rid, _exc in msg.bad_rows:
         if rid is not None:
             ids[rid] = None
@@ -148,21 +154,59 @@ def _named_ids(frames: list[bytes]) -> list[str]:
     return [r for r in ids if r][:MAX_REGISTERED]
 
 
+def _view(m: wire.EngineCoreOutputs) -> tuple[str, list[tuple[str | None, str]]]:
+    return repr(attrs.evolve(m, bad_rows=(), frames=())), [(rid, str(exc)) for rid, exc in m.bad_rows]
+
+
+def _skipped_tails_trimmed(frames: list[bytes]) -> list[bytes] | None:
+    """The message without what msgspec skips unread, or None if it is no envelope."""
+    try:
+        value = msgpack.unpackb(frames[0], strict_map_key=False, ext_hook=msgpack.ExtType, timestamp=3)
+    except Exception:
+        return None
+    if type(value) is not list or len(value) < 2:
+        return None
+    if type(value[1]) is list:
+        value[1] = [r[: len(wire.ROW_FIELDS)] if type(r) is list else r for r in value[1]]
+    if len(value) > 4 and type(value[4]) is list:
+        value[4] = value[4][:3]
+    try:
+        return [msgpack.packb(value, use_bin_type=True, datetime=True), *frames[1:]]
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _agree(frames: list[bytes], ok: bool, msg: wire.EngineCoreOutputs | None) -> None:
+    """The typed decode and the msgpack reference decode *frames* alike."""
+    ref_ok, ref = C.only_typed(RemoteProtocolError, wire._decode_outputs_msgpack, frames)  # noqa: SLF001
+    if ok and ref_ok:
+        assert _view(msg) == _view(ref), "msgspec and the msgpack reference decode differently"
+    elif ok:
+        trimmed = _skipped_tails_trimmed(frames)
+        assert trimmed is not None, "msgspec accepts what the msgpack reference refuses"
+        ref_ok, ref = C.only_typed(RemoteProtocolError, wire._decode_outputs_msgpack, trimmed)  # noqa: SLF001
+        assert ref_ok and _view(msg) == _view(ref), "msgspec accepts what the msgpack reference refuses"
+    else:
+        assert not ref_ok, "msgspec (with its fallback) refuses what the msgpack reference accepts"
+
+
 def _decode(frames: list[bytes], budget: int) -> None:
     ok, msg = C.only_typed(RemoteProtocolError, wire.decode_outputs, frames)
+    _agree(frames, ok, msg)
     if not ok:
         return
-    # One value per input byte, plus the defaults a short row is padded with.
-    C.assert_bounded("EngineCoreOutputs.outputs", msg.outputs,
-                     budget + wire.ROW_LEN * len(msg.outputs) + 2)
-    assert all(type(r) is tuple and len(r) >= wire.ROW_LEN for r in msg.outputs)
+    # One value per input byte, plus the defaults of the fields a short row omits.
+    C.assert_bounded("EngineCoreOutputs.outputs", [msgspec.structs.astuple(r) for r in msg.outputs],
+                     budget + len(wire.ROW_FIELDS) * len(msg.outputs) + 2)
+    assert all(isinstance(r, wire.EngineCoreOutputRow) for r in msg.outputs)
     for row in msg.outputs:
-        assert type(row[0]) is str and all(type(t) is int and 0 <= t <= 2**32 - 1 for t in row[1])
-        for pos, fn in ((wire.O_NEW_LOGPROBS, wire.decode_logprobs_lists),
-                        (wire.O_NEW_PROMPT_LOGPROBS, wire.decode_logprobs_tensors)):
-            if row[pos] is None:
+        assert type(row.request_id) is str
+        assert all(type(t) is int and 0 <= t <= 2**32 - 1 for t in row.new_token_ids)
+        for raw, fn in ((row.new_logprobs, wire.decode_logprobs_lists),
+                        (row.new_prompt_logprobs_tensors, wire.decode_logprobs_tensors)):
+            if raw is None:
                 continue
-            ok, lp = C.only_typed(RemoteProtocolError, fn, row[pos], frames)
+            ok, lp = C.only_typed(RemoteProtocolError, fn, raw, frames)
             if ok:
                 n = len(lp.ranks)
                 assert len(lp.token_ids) == len(lp.logprobs) == n

@@ -39,7 +39,7 @@ def test_steps_decode_like_the_wire_encoder(k: int) -> None:
         assert msg.engine_index == 2 and msg.timestamp == ts == 123.5 + step
         assert msg.weight_version == "default" and msg.finished_requests is None
         assert len(msg.outputs) == rows
-        assert sum(len(r[1]) for r in msg.outputs) == tokens
+        assert sum(len(r.new_token_ids) for r in msg.outputs) == tokens
         for row in msg.outputs:
             out = wire_engine.EngineCoreOutput.from_row(row, [payload])
             assert set(out.new_token_ids) == {token_for_step(step)}
@@ -72,7 +72,7 @@ def test_abort_and_duplicates() -> None:
     assert enc.remove("b") and not enc.remove("b") and not enc.remove("zzz")
     for step in range(2, 6):  # b's final step passes without it
         msg = _decode(enc.encode_step(step)[0])
-        assert [r[0] for r in msg.outputs] == ["a"]
+        assert [r.request_id for r in msg.outputs] == ["a"]
     enc.clear()
     assert enc.encode_step(6)[2] == 0
 
@@ -112,8 +112,8 @@ def test_engine_process_serves_raw_client(tmp_path) -> None:
         header, table = ctl.request("table")
         for m in msgs:
             (row,) = m.outputs
-            assert len(row[1]) == 2
-            assert table[row[1][0] - header["first_step"]] == m.timestamp
+            assert len(row.new_token_ids) == 2
+            assert table[row.new_token_ids[0] - header["first_step"]] == m.timestamp
         assert all(b.timestamp > a.timestamp for a, b in itertools.pairwise(msgs))
         assert msgs[0].timestamp <= time.monotonic()
         router.send_multipart([identity, bytes([wire.RequestType.ABORT]), wire.encode_abort(["x"])])

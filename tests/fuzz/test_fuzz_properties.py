@@ -37,6 +37,7 @@ import math
 import pathlib
 from typing import Any
 
+import attrs
 import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -192,12 +193,16 @@ def test_mutated_vllm_outputs_and_their_lazy_parts_raise_only_remote_errors(fram
     ok, msg = only(RemoteProtocolError, wire.decode_outputs, frames)
     if not ok:
         return
+    ref_ok, ref = only(RemoteProtocolError, wire._decode_outputs_msgpack, frames)
+    if ref_ok:  # the typed decode builds what the msgpack reference builds
+        assert repr(attrs.evolve(msg, bad_rows=())) == repr(attrs.evolve(ref, bad_rows=()))
+        assert [(r, str(e)) for r, e in msg.bad_rows] == [(r, str(e)) for r, e in ref.bad_rows]
     for row in msg.outputs:
-        assert len(row) >= wire.ROW_LEN and type(row[0]) is str
-        for pos, decode in ((wire.O_NEW_LOGPROBS, wire.decode_logprobs_lists),
-                            (wire.O_NEW_PROMPT_LOGPROBS, wire.decode_logprobs_tensors)):
-            if row[pos] is not None:
-                ok, lp = only(RemoteProtocolError, decode, row[pos], frames)
+        assert isinstance(row, wire.EngineCoreOutputRow) and type(row.request_id) is str
+        for raw, decode in ((row.new_logprobs, wire.decode_logprobs_lists),
+                            (row.new_prompt_logprobs_tensors, wire.decode_logprobs_tensors)):
+            if raw is not None:
+                ok, lp = only(RemoteProtocolError, decode, raw, frames)
                 if ok:
                     assert len(lp.token_ids) == len(lp.logprobs) == len(lp.ranks)
         only(RemoteProtocolError, wire_engine.EngineCoreOutput.from_row, row, frames)
@@ -210,7 +215,7 @@ def _registered(frames: list[bytes]) -> list[str]:
     except RemoteProtocolError:
         return list(ids)
     for row in msg.outputs:
-        ids[row[0]] = None
+        ids[row.request_id] = None
     for rid in msg.finished_requests or ():
         ids[rid] = None
     return [r for r in ids if r][:6]

@@ -114,9 +114,9 @@ async def serve_one(rank: Rank, rid: str, *, tokenspeed: bool = False) -> list[i
             outs = wire.decode_outputs(frames)
             assert outs.engine_index == rank.rank
             for o in outs.outputs:
-                assert o[wire.O_REQUEST_ID] == rid
-                tokens += o[wire.O_NEW_TOKEN_IDS]
-                if o[wire.O_FINISH_REASON] is not None:
+                assert o.request_id == rid
+                tokens += o.new_token_ids
+                if o.finish_reason is not None:
                     return tokens
 
 

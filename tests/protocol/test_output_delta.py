@@ -12,8 +12,8 @@ FIELDS = ("request_id", "token_ids", "finish_reason", "stop_reason", "logprobs",
           "num_prompt_tokens", "num_cached_tokens", "ticks", "engine_timestamp")
 
 
-def _row(rid: str, tokens: tuple[int, ...]) -> tuple:
-    return (rid, tokens) + (None,) * 11 + (0,) + (None,) * 4
+def _row(rid: str, tokens: tuple[int, ...]) -> wire.EngineCoreOutputRow:
+    return wire.EngineCoreOutputRow(rid, tokens)
 
 
 def _values(d: OutputDelta) -> dict:

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import pytest
 
+from zmqdispatch import limits
 from zmqdispatch.errors import RemoteProtocolError
 from zmqdispatch.wire import vllm as w
 from zmqdispatch.wire import vllm_engine as w_engine
@@ -112,20 +113,20 @@ def logprobs_view(raw: Any, frames: list[bytes], names: list[str]) -> dict[str, 
     return out
 
 
-def row_view(row: tuple, frames: list[bytes]) -> dict[str, Any]:
-    assert len(row) >= w.ROW_LEN
+def row_view(row: w.EngineCoreOutputRow, frames: list[bytes]) -> dict[str, Any]:
+    assert type(row).__struct_fields__ == w.ROW_FIELDS
     out = {}
-    for i, name in enumerate(ROW_NAMES):
-        v = row[i]
-        if v is not None and i == w.O_NEW_LOGPROBS:
+    for name in ROW_NAMES:
+        v = getattr(row, name)
+        if v is not None and name == "new_logprobs":
             v = logprobs_view(v, frames, LISTS_NAMES)
-        elif v is not None and i == w.O_NEW_PROMPT_LOGPROBS:
+        elif v is not None and name == "new_prompt_logprobs_tensors":
             v = logprobs_view(v, frames, TENSORS_NAMES)
-        elif v is not None and i in (w.O_POOLING_OUTPUT, w.O_ROUTED_EXPERTS, w.O_PROMPT_TOKEN_ID_LOGPROBS):
+        elif v is not None and name in ("pooling_output", "routed_experts", "prompt_token_id_logprobs"):
             v = tensor_view(decode_tensor(v, frames))
         out[name] = plain(v)
-    if w.output_error(row) is not None:
-        out["error"] = plain(w.output_error(row))
+    if row.error is not None:
+        out["error"] = plain(row.error)
     return out
 
 
@@ -360,6 +361,20 @@ def test_decode_matches_golden_view(name: str) -> None:
         assert list(view["sampling_params"]) == list(case["decoded"]["sampling_params"])
 
 
+OUTPUT_NAMES = [n for n in NAMES if BY_NAME[n]["direction"] == "from_engine"
+                and BY_NAME[n]["kind"] in ("outputs", "utility") and n != "outputs_engine_core_dead"]
+
+
+@pytest.mark.parametrize("name", OUTPUT_NAMES)
+def test_typed_decode_takes_the_golden_messages_as_the_reference_does(name: str) -> None:
+    # Every output vector is taken by the msgspec typed decode itself (no fallback)
+    # and decodes to what the msgpack reference decoder makes of it.
+    frames = golden_frames(BY_NAME[name])
+    row_cls, typed = w._typed(limits.MAX_OUTPUTS_PER_MESSAGE, limits.MAX_TOKENS_PER_TICK, limits.MAX_TOKEN_ID)
+    assert all(type(r) is row_cls for r in typed.decode(frames[0]).outputs)
+    assert w.decode_outputs(frames) == w._decode_outputs_msgpack(frames)
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "outputs_engine_core_dead"])
 def test_reencode_is_identical(name: str) -> None:
     case = BY_NAME[name]
@@ -389,7 +404,7 @@ def test_logprobs_helpers_agree_with_views() -> None:
         case = BY_NAME[name]
         o = w.decode_outputs(golden_frames(case))
         for row, expected in zip(o.outputs, case["decoded"]["outputs"]):
-            lp = w.decode_logprobs_lists(row[w.O_NEW_LOGPROBS], o.frames)
+            lp = w.decode_logprobs_lists(row.new_logprobs, o.frames)
             exp = expected["new_logprobs"]
             assert lp.token_ids == exp["logprob_token_ids"]["__ndarray__"]["data"]
             assert lp.logprobs == exp["logprobs"]["__ndarray__"]["data"]
@@ -398,7 +413,7 @@ def test_logprobs_helpers_agree_with_views() -> None:
         case = BY_NAME[name]
         o = w.decode_outputs(golden_frames(case))
         (row,) = o.outputs
-        lp = w.decode_logprobs_tensors(row[w.O_NEW_PROMPT_LOGPROBS], o.frames)
+        lp = w.decode_logprobs_tensors(row.new_prompt_logprobs_tensors, o.frames)
         exp = case["decoded"]["outputs"][0]["new_prompt_logprobs_tensors"]
         assert lp.token_ids == exp["logprob_token_ids"]["__tensor__"]["data"]
         assert lp.ranks == exp["selected_token_ranks"]["__tensor__"]["data"]
@@ -406,10 +421,11 @@ def test_logprobs_helpers_agree_with_views() -> None:
 
 def test_hot_path_row_shape() -> None:
     o = w.decode_outputs(golden_frames(BY_NAME["outputs_batch_midstream"]))
-    assert [r[w.O_REQUEST_ID] for r in o.outputs] == ["req-a", "req-b", "req-c"]
-    assert [r[w.O_NEW_TOKEN_IDS] for r in o.outputs] == [(332,), (17, 18), (5,)]
-    # 0.32.0 rows (18 elements) are kept as msgpack built them: no padding copy
-    assert all(len(r) == w.ROW_LEN and w.output_error(r) is None for r in o.outputs)
+    assert [r.request_id for r in o.outputs] == ["req-a", "req-b", "req-c"]
+    assert [r.new_token_ids for r in o.outputs] == [(332,), (17, 18), (5,)]
+    # one typed struct per row, straight from msgspec; 0.32.0 rows carry no error
+    assert all(isinstance(r, w.EngineCoreOutputRow) and r.error is None for r in o.outputs)
+    assert all(type(r.new_token_ids) is tuple for r in o.outputs)
     o = w.decode_outputs(golden_frames(BY_NAME["outputs_num_cached_tokens_events"]))
-    assert o.outputs[0][w.O_PREFILL_STATS]["num_cached_tokens"] == 32
+    assert o.outputs[0].prefill_stats["num_cached_tokens"] == 32
     assert w.FinishReason(4).wire_name == "repetition"

@@ -17,6 +17,7 @@ import attrs
 import re
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -242,9 +243,9 @@ def check_message(decoded: w.EngineCoreOutputs, env: dict, outs: list[w_engine.E
         assert getattr(decoded, key) == env[key], key
     assert len(decoded.outputs) == len(outs)
     for row, out in zip(decoded.outputs, outs):
-        assert len(row) >= w.ROW_LEN
-        assert row[w.O_REQUEST_ID] == out.request_id
-        assert row[w.O_NEW_TOKEN_IDS] == tuple(out.new_token_ids)
+        assert isinstance(row, w.EngineCoreOutputRow)
+        assert row.request_id == out.request_id
+        assert row.new_token_ids == tuple(out.new_token_ids)
         assert w_engine.EngineCoreOutput.from_row(row, decoded.frames) == out
 
 
@@ -281,7 +282,7 @@ def test_outputs_roundtrip(message: tuple[dict, list[w_engine.EngineCoreOutput]]
     decoded = w.decode_outputs(frames)
     check_message(decoded, env, outs)
     for row in decoded.outputs:
-        assert len(row) == w.ROW_LEN and w.output_error(row) is None
+        assert row.error is None
 
 
 @SETTINGS
@@ -292,9 +293,8 @@ def test_outputs_roundtrip_vllm_033_rows(message: tuple[dict, list[w_engine.Engi
     decoded = w.decode_outputs(frames)
     check_message(decoded, env, outs)
     for row, out in zip(decoded.outputs, outs):
-        assert len(row) == 19
         if out.error is not None:
-            assert w.output_error(row) == {"code": out.error.code, "message": out.error.message,
+            assert row.error == {"code": out.error.code, "message": out.error.message,
                                       "retryable": out.error.retryable}
 
 
@@ -310,12 +310,14 @@ def test_logprobs_inline_and_aux_frames() -> None:
     )
     assert len(frames) == 5 and all(len(f) == 256 for f in frames[1:])
     d = w.decode_outputs(frames)
-    raw_b = d.outputs[1][w.O_NEW_LOGPROBS]
+    raw_b = d.outputs[1].new_logprobs
     assert raw_b[0][2] == 1 and raw_b[1][2] == 2  # indexes are global to the message
-    assert d.outputs[1][w.O_NEW_PROMPT_LOGPROBS][0][:2] == ("int32", (1, 64))
-    assert w.decode_logprobs_lists(d.outputs[0][w.O_NEW_LOGPROBS], d.frames) == small_lp
+    # [dtype, shape, data] as msgspec decodes an Any: arrays as lists (the reference too)
+    assert d.outputs[1].new_prompt_logprobs_tensors[0][:2] == ["int32", [1, 64]]
+    assert w.decode_logprobs_lists(d.outputs[0].new_logprobs, d.frames) == small_lp
     assert w.decode_logprobs_lists(raw_b, d.frames) == big_lp
-    assert w.decode_logprobs_tensors(d.outputs[1][w.O_NEW_PROMPT_LOGPROBS], d.frames) == big_lp
+    assert w.decode_logprobs_tensors(d.outputs[1].new_prompt_logprobs_tensors, d.frames) == big_lp
+    assert w._decode_outputs_msgpack(frames) == d
 
 
 def test_logprobs_shape_disagreement_is_refused() -> None:
@@ -370,7 +372,7 @@ def test_outputs_missing_trailing_elements_take_defaults(
     frames = encode_message(env, outs)
     obj = msgpack.unpackb(frames[0], strict_map_key=False)
     obj[1] = [row[:row_len] for row in obj[1]]
-    full_rows = [tuple(r) for r in w.decode_outputs(frames).outputs]
+    full_rows = [msgspec.structs.astuple(r) for r in w.decode_outputs(frames).outputs]
     obj = obj[:env_len]
     d = w.decode_outputs([msgpack.packb(obj, use_bin_type=True), *frames[1:]])
     defaults = (0, (), None, 0.0, None, None, None, None, None)
@@ -378,9 +380,10 @@ def test_outputs_missing_trailing_elements_take_defaults(
                              "finished_requests", "wave_complete", "start_wave", "weight_version")):
         if i >= env_len:
             assert getattr(d, key) == defaults[i], key
-    default_row = (None,) * 13 + (0,) + (None,) * 4  # vLLM 0.32.0's defaults; num_nans_in_logits = 0
-    for row, full in zip(d.outputs, full_rows):
-        assert len(row) == w.ROW_LEN
+    default_row = (None,) * 13 + (0,) + (None,) * 5  # vLLM's defaults; num_nans_in_logits = 0
+    for decoded, full in zip(d.outputs, full_rows):
+        row = msgspec.structs.astuple(decoded)
+        assert len(row) == len(w.ROW_FIELDS)
         assert row[:row_len] == full[:row_len]
         assert row[row_len:] == default_row[row_len:]
 
@@ -562,8 +565,8 @@ def test_arbitrary_msgpack_raises_only_remote_protocol_error(value: object) -> N
     except RemoteProtocolError:
         return
     for row in d.outputs:  # lazily decoded parts obey the same contract
-        only_remote_errors(lambda r: w.decode_logprobs_lists(r, d.frames), row[w.O_NEW_LOGPROBS])
-        only_remote_errors(lambda r: w.decode_logprobs_tensors(r, d.frames), row[w.O_NEW_PROMPT_LOGPROBS])
+        only_remote_errors(lambda r: w.decode_logprobs_lists(r, d.frames), row.new_logprobs)
+        only_remote_errors(lambda r: w.decode_logprobs_tensors(r, d.frames), row.new_prompt_logprobs_tensors)
         only_remote_errors(lambda r: w_engine.EngineCoreOutput.from_row(r, d.frames), row)
 
 
@@ -620,30 +623,30 @@ def test_pickle_and_unknown_ext_types_are_refused_anywhere(code: int) -> None:
 def _row(**changes: object) -> list:
     row: list = ["r", [1]] + [None] * 11 + [0] + [None] * 4
     for k, v in changes.items():
-        row[getattr(w, k)] = v
+        row[w.ROW_FIELDS.index(k)] = v
     return row
 
 
 @pytest.mark.parametrize(
     ("row", "field"),
     [
-        (_row(O_REQUEST_ID=b"r"), "request_id"),
-        (_row(O_REQUEST_ID=None), "request_id"),
-        (_row(O_NEW_TOKEN_IDS=[-1]), "new_token_ids"),
-        (_row(O_NEW_TOKEN_IDS=[True]), "new_token_ids"),
-        (_row(O_NEW_TOKEN_IDS=[1.0]), "new_token_ids"),
-        (_row(O_NEW_TOKEN_IDS=None), "new_token_ids"),
-        (_row(O_NEW_TOKEN_IDS={"a": 1}), "new_token_ids"),
-        (_row(O_FINISH_REASON=5), "finish_reason"),
-        (_row(O_FINISH_REASON=-1), "finish_reason"),
-        (_row(O_FINISH_REASON="stop"), "finish_reason"),
-        (_row(O_STOP_REASON=1.5), "stop_reason"),
-        (_row(O_STOP_REASON=[7]), "stop_reason"),
-        (_row(O_PREFILL_STATS=[5]), "prefill_stats"),
-        (_row(O_PREFILL_STATS={"num_prompt_tokens": -1}), "prefill_stats"),
-        (_row(O_PREFILL_STATS={"num_cached_tokens": "3"}), "prefill_stats"),
-        (_row(O_STOP_REASON=-5), "stop_reason"),
-        (_row(O_NEW_TOKEN_IDS=[2**32]), "new_token_ids"),
+        (_row(request_id=b"r"), "request_id"),
+        (_row(request_id=None), "request_id"),
+        (_row(new_token_ids=[-1]), "new_token_ids"),
+        (_row(new_token_ids=[True]), "new_token_ids"),
+        (_row(new_token_ids=[1.0]), "new_token_ids"),
+        (_row(new_token_ids=None), "new_token_ids"),
+        (_row(new_token_ids={"a": 1}), "new_token_ids"),
+        (_row(finish_reason=5), "finish_reason"),
+        (_row(finish_reason=-1), "finish_reason"),
+        (_row(finish_reason="stop"), "finish_reason"),
+        (_row(stop_reason=1.5), "stop_reason"),
+        (_row(stop_reason=[7]), "stop_reason"),
+        (_row(prefill_stats=[5]), "prefill_stats"),
+        (_row(prefill_stats={"num_prompt_tokens": -1}), "prefill_stats"),
+        (_row(prefill_stats={"num_cached_tokens": "3"}), "prefill_stats"),
+        (_row(stop_reason=-5), "stop_reason"),
+        (_row(new_token_ids=[2**32]), "new_token_ids"),
         (["r"], "row"),
         ("r", "row"),
     ],
@@ -653,7 +656,7 @@ def test_bad_rows_name_the_field(row: object, field: str) -> None:
     # of the same message are still decoded.
     good = _row()
     msg = w.decode_outputs([msgpack.packb([0, [good, row], None, 1.0])])
-    assert len(msg.outputs) == 1 and msg.outputs[0][0] == "r"
+    assert len(msg.outputs) == 1 and msg.outputs[0].request_id == "r"
     ((rid, err),) = msg.bad_rows
     assert isinstance(err, RemoteProtocolError)
     assert re.search(f"outputs\\[1\\]\\.{field}", str(err))
@@ -665,15 +668,14 @@ def test_bad_rows_name_the_field(row: object, field: str) -> None:
 def test_rows_keep_their_order_around_short_and_bad_rows(bad_at: int) -> None:
     # Well-formed rows are passed through uncopied; from the first short or bad
     # row on, the decoder builds its own list: order and padding must not change.
-    rows: list[object] = [_row(O_REQUEST_ID=f"r{i}", O_NEW_TOKEN_IDS=[i]) for i in range(6)]
-    rows[bad_at] = _row(O_REQUEST_ID=f"r{bad_at}", O_FINISH_REASON=9)
+    rows: list[object] = [_row(request_id=f"r{i}", new_token_ids=[i]) for i in range(6)]
+    rows[bad_at] = _row(request_id=f"r{bad_at}", finish_reason=9)
     rows[4] = ["r4", [4]]  # short: padded with vLLM's defaults
     msg = w.decode_outputs([msgpack.packb([0, rows, None, 1.0])])
     kept = [i for i in range(6) if i != bad_at]
-    assert [r[w.O_REQUEST_ID] for r in msg.outputs] == [f"r{i}" for i in kept]
-    assert [r[w.O_NEW_TOKEN_IDS] for r in msg.outputs] == [(i,) for i in kept]
-    assert all(len(r) >= w.ROW_LEN for r in msg.outputs)
-    assert msg.outputs[kept.index(4)][w.O_NUM_NANS] == 0
+    assert [r.request_id for r in msg.outputs] == [f"r{i}" for i in kept]
+    assert [r.new_token_ids for r in msg.outputs] == [(i,) for i in kept]
+    assert msg.outputs[kept.index(4)].num_nans_in_logits == 0
     ((rid, err),) = msg.bad_rows
     assert rid == f"r{bad_at}" and "finish_reason" in str(err)
 

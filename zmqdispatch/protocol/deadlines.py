@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 
 from ..errors import DeadlineExceeded, RequestRejected
-from ..wire.vllm import O_NEW_TOKEN_IDS as _O_TOKENS
+from ..wire.vllm import EngineCoreOutputRow
 from .mailbox import Mailbox
 
 __all__ = ["Deadlines", "DeadlineScheduler", "TimedMailbox", "LIMITS", "effective_deadlines"]
@@ -130,8 +130,8 @@ class TimedMailbox(Mailbox):
             self.first_token_at = now
         self.last_token_at = now
 
-    def put(self, row: tuple[Any, ...], frames: Any, timestamp: float) -> int:
-        if row[_O_TOKENS]:
+    def put(self, row: EngineCoreOutputRow, frames: Any, timestamp: float) -> int:
+        if row.new_token_ids:
             self._tokens_at()
         return Mailbox.put(self, row, frames, timestamp)
 

@@ -37,12 +37,6 @@ PUT_MORE = 0  # the request is still running
 PUT_FINISHED = 1  # this output was terminal: retire the request
 PUT_OVERFLOW = 2  # the consumer fell behind the bound: retire and abort
 
-_O_TOKENS = wire.O_NEW_TOKEN_IDS
-_O_LOGPROBS = wire.O_NEW_LOGPROBS
-_O_PROMPT_LOGPROBS = wire.O_NEW_PROMPT_LOGPROBS
-_O_FINISH = wire.O_FINISH_REASON
-_O_STOP = wire.O_STOP_REASON
-_O_PREFILL = wire.O_PREFILL_STATS
 _ERROR = int(wire.FinishReason.ERROR)
 _FINISH_REASONS = tuple(wire.FinishReason)
 
@@ -192,11 +186,11 @@ class Mailbox:
 
     # ------------------------------------------------------------ router side
 
-    def put(self, row: tuple[Any, ...], frames: Any, timestamp: float) -> int:
+    def put(self, row: wire.EngineCoreOutputRow, frames: Any, timestamp: float) -> int:
         """Merge one decoded ``EngineCoreOutput`` row into the pending delta.
 
         Args:
-            row: the raw output row from :func:`zmqdispatch.wire.vllm.decode_outputs`.
+            row: one decoded row of :func:`zmqdispatch.wire.vllm.decode_outputs`.
             frames: the message's frames (aux tensors are resolved from them).
             timestamp: the message's ``EngineCoreOutputs.timestamp``.
 
@@ -208,9 +202,14 @@ class Mailbox:
         """
         if self.finished:
             return PUT_FINISHED
-        tokens = row[_O_TOKENS]
-        finish = row[_O_FINISH]
-        if finish is None and row[_O_LOGPROBS] is None and row[_O_PROMPT_LOGPROBS] is None and row[_O_PREFILL] is None:
+        tokens = row.new_token_ids
+        finish = row.finish_reason
+        if (
+            finish is None
+            and row.new_logprobs is None
+            and row.new_prompt_logprobs_tensors is None
+            and row.prefill_stats is None
+        ):
             # The hot path, a plain decode tick: new tokens only.
             d = self.pending
             if d is None:
@@ -245,7 +244,7 @@ class Mailbox:
             d.ticks += 1
             d.engine_timestamp = timestamp
         self.pending_tokens += len(tokens)
-        lp = row[_O_LOGPROBS]
+        lp = row.new_logprobs
         if lp is not None:
             lists = wire.decode_logprobs_lists(lp, frames)
             if len(lists.token_ids) != len(tokens):
@@ -256,16 +255,16 @@ class Mailbox:
                     f"request {self.request_id!r}: {len(lists.token_ids)} logprob rows for {len(tokens)} new tokens"
                 )
             d.logprobs = _extend_lists(d.logprobs, lists)
-        plp = row[_O_PROMPT_LOGPROBS]
+        plp = row.new_prompt_logprobs_tensors
         if plp is not None:
             d.prompt_logprobs = _extend_lists(d.prompt_logprobs, wire.decode_logprobs_tensors(plp, frames))
-        stats = row[_O_PREFILL]
+        stats = row.prefill_stats
         if stats is not None:
             d.num_prompt_tokens = stats.get("num_prompt_tokens", d.num_prompt_tokens)
             d.num_cached_tokens = stats.get("num_cached_tokens", d.num_cached_tokens)
         if finish is not None:
             d.finish_reason = _FINISH_REASONS[finish]
-            d.stop_reason = row[_O_STOP]
+            d.stop_reason = row.stop_reason
             self.finished = True
             self._wake()
             return PUT_FINISHED
@@ -371,10 +370,10 @@ class Mailbox:
         self.finished = True
         self._wake()
 
-    def _put_engine_error(self, row: tuple[Any, ...]) -> None:
+    def _put_engine_error(self, row: wire.EngineCoreOutputRow) -> None:
         code = retryable = None
         message = "engine finished the request with an error (see engine logs)"
-        err = wire.output_error(row)
+        err = row.error
         if isinstance(err, dict):
             code = err.get("code") if isinstance(err.get("code"), str) else None
             retryable = err.get("retryable") if isinstance(err.get("retryable"), bool) else None

@@ -160,7 +160,7 @@ class OutputRouting:
         to_abort: list[str] | None = None
         unknown = self.unknown_outputs
         for row in msg.outputs:
-            rid = row[0]
+            rid = row.request_id
             mb = requests.get(rid)
             if mb is None:
                 self.unknown_outputs += 1
@@ -195,7 +195,7 @@ class OutputRouting:
             if unattributed:
                 # A row without a readable id may have been any request that got
                 # no valid row in this message (one row per request per step).
-                seen = {row[0] for row in msg.outputs}
+                seen = {row.request_id for row in msg.outputs}
                 self._fail_requests([rid for rid in requests if rid not in seen], unattributed[0])
         if msg.finished_requests:
             # Engine-generated finishes may list ids without a terminal row

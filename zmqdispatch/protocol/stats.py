@@ -139,8 +139,8 @@ class LinkStats:
     def routed(self, outputs: Sequence[Any], rows: int, now: float) -> None:
         """One output message with *rows* routed rows was received at *now*.
 
-        *outputs*: the message's rows, each with the engine-side id first
-        (vLLM ``EngineCoreOutput`` rows), or its ids (TokenSpeed ``rids``).
+        *outputs*: the message's rows (vLLM ``EngineCoreOutputRow``, the
+        engine-side id in ``request_id``), or its ids (TokenSpeed ``rids``).
         Called after routing: a mailbox's pending delta holds what this
         message gave it (nothing runs in between)."""
         firsts = self._first_tokens(outputs, now) if self._awaiting else 0
@@ -164,7 +164,7 @@ class LinkStats:
             if len(awaiting) <= len(outputs):
                 candidates = list(awaiting)  # also drops retired entries
             else:
-                candidates = [w for w in (o if type(o) is str else o[0] for o in outputs) if w in awaiting]
+                candidates = [w for w in (o if type(o) is str else o.request_id for o in outputs) if w in awaiting]
             debug = _log.isEnabledFor(_DEBUG)
             ttft = self.ttft
             for wire_id in candidates:

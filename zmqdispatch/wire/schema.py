@@ -88,6 +88,21 @@ def msgpack_array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
+def msgpack_array_len(payload: Any) -> int:
+    """Elements of the msgpack array *payload* (bytes) starts with, read from its header
+    only, or -1 if it does not start with an array header."""
+    if not payload:
+        return -1
+    b: int = payload[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(payload) >= 3:
+        return int.from_bytes(payload[1:3], "big")
+    if b == 0xDD and len(payload) >= 5:
+        return int.from_bytes(payload[1:5], "big")
+    return -1
+
+
 def _pack_omit_defaults_map(m: dict[str, Any]) -> bytes:
     # msgspec writes an omit_defaults Struct as a map with a map16 header ("de" + count)
     # whatever the count, since it only knows the count after writing the fields (it

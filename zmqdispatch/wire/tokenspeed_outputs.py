@@ -22,7 +22,7 @@ import msgspec
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import RemoteProtocolError
-from zmqdispatch.wire.schema import _tname, _unpack_output_message
+from zmqdispatch.wire.schema import _tname, _unpack_output_message, msgpack_array_len
 
 #: Element 0 of an output batch.
 BATCH_TAG = "BatchTokenIDOutSlim"
@@ -266,20 +266,6 @@ def _batch_decoder(max_rows: int, max_tokens: int, max_id: int) -> msgspec.msgpa
     return dec
 
 
-def _array_len(payload: Any) -> int:
-    """Elements of the msgpack array ``payload`` starts with, or -1 if it is no array."""
-    if not payload:
-        return -1
-    b: int = payload[0]
-    if 0x90 <= b <= 0x9F:
-        return b & 0x0F
-    if b == 0xDC and len(payload) >= 3:
-        return int.from_bytes(payload[1:3], "big")
-    if b == 0xDD and len(payload) >= 5:
-        return int.from_bytes(payload[1:5], "big")
-    return -1
-
-
 def decode_outputs(frames: Sequence[bytes]) -> TokenSpeedBatch:
     """Decode one output message ``[payload, *aux]`` (the hot path: once per engine step).
 
@@ -313,7 +299,7 @@ def decode_outputs(frames: Sequence[bytes]) -> TokenSpeedBatch:
     max_frame = _limits.MAX_FRAME_BYTES
     if frames and all(len(f) <= max_frame for f in frames):
         payload = frames[0]
-        n = _array_len(payload)
+        n = msgpack_array_len(payload)
         if BATCH_MIN_ELEMENTS <= n <= BATCH_ELEMENTS:
             max_tokens = _limits.MAX_TOKENS_PER_TICK
             try:

@@ -50,24 +50,8 @@ from zmqdispatch.wire.schema import (
 )
 from zmqdispatch.wire.tensors import Tensor, decode_tensor, encode_tensor
 from zmqdispatch.wire.vllm import (
-    _ROW_DEFAULTS,
-    O_EC_TRANSFER_PARAMS,
-    O_EVENTS,
-    O_FINISH_REASON,
-    O_KV_TRANSFER_PARAMS,
-    O_MM_CACHE_MISS_HASHES,
-    O_NEW_SAMPLING_MASK,
-    O_NEW_TOKEN_IDS,
-    O_NUM_NANS,
-    O_POOLING_OUTPUT,
-    O_PREFILL_STATS,
-    O_PROMPT_TOKEN_ID_LOGPROBS,
-    O_REQUEST_ID,
-    O_ROUTED_EXPERTS,
-    O_SPEC_DECODE_METRICS,
-    O_STOP_REASON,
-    O_TRACE_HEADERS,
     REQUEST_MIN_FIELDS,
+    EngineCoreOutputRow,
     EngineCoreRequest,
     EventType,
     FinishReason,
@@ -76,7 +60,6 @@ from zmqdispatch.wire.vllm import (
     UtilityOutput,
     decode_logprobs_lists,
     decode_logprobs_tensors,
-    output_error,
 )
 
 __all__ = [
@@ -267,7 +250,7 @@ class EngineCoreOutput:
     """One request's output of one step (vLLM 0.32.0 ``EngineCoreOutput``, 18 fields).
 
     Used to *encode* outputs (mock engine, tests) and by :meth:`from_row` for a typed
-    view of a decoded row; the router reads raw rows instead. ``new_token_ids`` holds
+    view of a decoded row; the router reads the rows as they are decoded. ``new_token_ids`` holds
     only this step's tokens. ``pooling_output``, ``routed_experts`` and
     ``prompt_token_id_logprobs`` take :class:`Tensor` values. ``error`` is vLLM 0.33.0's
     19th element; it is only written when :func:`encode_outputs` is told
@@ -295,15 +278,12 @@ class EngineCoreOutput:
     error: OutputError | None = None
 
     @classmethod
-    def from_row(cls, row: Sequence[Any], frames: Sequence[bytes]) -> EngineCoreOutput:
-        """Typed view of a raw row from :func:`decode_outputs` (not for the hot path).
+    def from_row(cls, row: EngineCoreOutputRow, frames: Sequence[bytes]) -> EngineCoreOutput:
+        """Typed view of a decoded row from :func:`decode_outputs` (not for the hot path).
 
         Logprobs become :class:`LogprobsLists`, tensors :class:`Tensor`, maps their attrs
         types. Raises RemoteProtocolError for a malformed field.
         """
-        if len(row) < 2:
-            raise RemoteProtocolError("EngineCoreOutput: expected >= 2 elements")
-        row = tuple(row) + _ROW_DEFAULTS[len(row):]
 
         def typed(name: str, conv: Callable[[Any], Any], v: Any) -> Any:
             if v is None:
@@ -317,29 +297,30 @@ class EngineCoreOutput:
             return None if v is None else decode_tensor(v, frames, field=name)
 
         events = typed(
-            "events", lambda v: [_struct_from_map(EngineCoreEvent, e) for e in _k_seq(_k_any)(v)], row[O_EVENTS]
+            "events", lambda v: [_struct_from_map(EngineCoreEvent, e) for e in _k_seq(_k_any)(v)], row.events
         )
-        fr = row[O_FINISH_REASON]
+        fr = row.finish_reason
+        lp, plp = row.new_logprobs, row.new_prompt_logprobs_tensors
         return cls(
-            request_id=row[O_REQUEST_ID],
-            new_token_ids=row[O_NEW_TOKEN_IDS],
-            new_logprobs=None if row[2] is None else decode_logprobs_lists(row[2], frames),
-            new_prompt_logprobs_tensors=None if row[3] is None else decode_logprobs_tensors(row[3], frames),
-            pooling_output=tensor("pooling_output", row[O_POOLING_OUTPUT]),
+            request_id=row.request_id,
+            new_token_ids=row.new_token_ids,
+            new_logprobs=None if lp is None else decode_logprobs_lists(lp, frames),
+            new_prompt_logprobs_tensors=None if plp is None else decode_logprobs_tensors(plp, frames),
+            pooling_output=tensor("pooling_output", row.pooling_output),
             finish_reason=None if fr is None else FinishReason(fr),
-            stop_reason=row[O_STOP_REASON],
+            stop_reason=row.stop_reason,
             events=events,
-            kv_transfer_params=row[O_KV_TRANSFER_PARAMS],
-            ec_transfer_params=row[O_EC_TRANSFER_PARAMS],
-            trace_headers=row[O_TRACE_HEADERS],
-            prefill_stats=typed("prefill_stats", lambda v: _struct_from_map(PrefillStats, v), row[O_PREFILL_STATS]),
-            routed_experts=tensor("routed_experts", row[O_ROUTED_EXPERTS]),
-            num_nans_in_logits=typed("num_nans_in_logits", _k_int, row[O_NUM_NANS]),
-            mm_cache_miss_hashes=row[O_MM_CACHE_MISS_HASHES],
-            new_sampling_mask=row[O_NEW_SAMPLING_MASK],
-            spec_decode_metrics=row[O_SPEC_DECODE_METRICS],
-            prompt_token_id_logprobs=tensor("prompt_token_id_logprobs", row[O_PROMPT_TOKEN_ID_LOGPROBS]),
-            error=typed("error", lambda v: _struct_from_map(OutputError, v), output_error(row)),
+            kv_transfer_params=row.kv_transfer_params,
+            ec_transfer_params=row.ec_transfer_params,
+            trace_headers=row.trace_headers,
+            prefill_stats=typed("prefill_stats", lambda v: _struct_from_map(PrefillStats, v), row.prefill_stats),
+            routed_experts=tensor("routed_experts", row.routed_experts),
+            num_nans_in_logits=typed("num_nans_in_logits", _k_int, row.num_nans_in_logits),
+            mm_cache_miss_hashes=row.mm_cache_miss_hashes,
+            new_sampling_mask=row.new_sampling_mask,
+            spec_decode_metrics=row.spec_decode_metrics,
+            prompt_token_id_logprobs=tensor("prompt_token_id_logprobs", row.prompt_token_id_logprobs),
+            error=typed("error", lambda v: _struct_from_map(OutputError, v), row.error),
         )
 
 

@@ -1,8 +1,9 @@
 """vLLM v1 EngineCore output messages, client side (vLLM 0.32.0; 0.33.0 tolerated), sans-IO.
 
 :func:`decode_outputs` (the hot path, once per engine step) turns one output message
-``[payload, *aux]`` into an :class:`EngineCoreOutputs`; the raw rows are indexed with
-the ``O_*`` constants; :class:`UtilityOutput` is the reply to a UTILITY call;
+``[payload, *aux]`` into an :class:`EngineCoreOutputs` of :class:`EngineCoreOutputRow`
+rows (a msgspec typed decode; :func:`_decode_outputs_msgpack` is the msgpack reference
+and fallback); :class:`UtilityOutput` is the reply to a UTILITY call;
 :func:`decode_logprobs_lists` / :func:`decode_logprobs_tensors` read a row's logprobs.
 Every name here is also importable from :mod:`zmqdispatch.wire.vllm` (the client side
 of the wire as one module); the request side lives there. Wire rules and sources: see
@@ -14,10 +15,13 @@ bytes that do not decode (the connection counts them).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import attrs
+import msgpack
+import msgspec
 
 from zmqdispatch import limits as _limits
 from zmqdispatch.errors import RemoteProtocolError
@@ -27,54 +31,62 @@ from zmqdispatch.wire.schema import (
     _k_str,
     _to_wire,
     _unpack_output_message,
+    msgpack_array_len,
 )
-from zmqdispatch.wire.tensors import decode_tensor
+from zmqdispatch.wire.tensors import decode_tensor, ext_hook
 
 # =========================================================================== outputs
 
-# Positions in a raw EngineCoreOutput row (vLLM 0.32.0 order; O_ERROR is 0.33.0's #18).
-O_REQUEST_ID = 0
-O_NEW_TOKEN_IDS = 1
-O_NEW_LOGPROBS = 2
-O_NEW_PROMPT_LOGPROBS = 3
-O_POOLING_OUTPUT = 4
-O_FINISH_REASON = 5
-O_STOP_REASON = 6
-O_EVENTS = 7
-O_KV_TRANSFER_PARAMS = 8
-O_EC_TRANSFER_PARAMS = 9
-O_TRACE_HEADERS = 10
-O_PREFILL_STATS = 11
-O_ROUTED_EXPERTS = 12
-O_NUM_NANS = 13
-O_MM_CACHE_MISS_HASHES = 14
-O_NEW_SAMPLING_MASK = 15
-O_SPEC_DECODE_METRICS = 16
-O_PROMPT_TOKEN_ID_LOGPROBS = 17
-O_ERROR = 18
 
-#: Every decoded row has at least this many elements (vLLM 0.32.0's 18), so every
-#: ``O_*`` position but ``O_ERROR`` is always readable; ``O_ERROR`` (0.33.0's 19th
-#: element) is present only when the engine sent it: read it with :func:`output_error`.
-ROW_LEN = 18
-# vLLM's defaults for each position (0 and 1 are required, never padded).
-_ROW_DEFAULTS: tuple[Any, ...] = (None,) * O_NUM_NANS + (0,) + (None,) * (ROW_LEN - O_NUM_NANS - 1)
-# _ROW_PADS[n] is the tail that pads an n-element row to ROW_LEN (precomputed: only rows
-# shorter than 0.32.0's are padded, with one tuple concatenation; full rows are kept as
-# msgpack built them, no per-row copy).
-_ROW_PADS: tuple[tuple[Any, ...], ...] = tuple(_ROW_DEFAULTS[n:] for n in range(ROW_LEN))
+class EngineCoreOutputRow(msgspec.Struct, array_like=True, gc=False):
+    """One ``EngineCoreOutput`` of a decoded message: vLLM 0.32.0's 18 fields in wire
+    order (array_like), plus 0.33.0's ``error``; a field the engine omitted (vLLM encodes
+    with ``omit_defaults``: trailing defaults may be left out) has vLLM's default.
 
+    Checked by :func:`decode_outputs`: ``request_id`` str; ``new_token_ids`` a tuple of
+    at most ``limits.MAX_TOKENS_PER_TICK`` token ids in ``0..limits.MAX_TOKEN_ID`` (the
+    step's *new* tokens); ``finish_reason`` nil or 0..4 (:class:`FinishReason`);
+    ``stop_reason`` nil, a token id or a str; ``prefill_stats`` nil or a map whose
+    ``num_prompt_tokens`` / ``num_cached_tokens`` are nil or counts in ``0..MAX_TOKEN_ID``.
+    The other fields are the raw decoded values, arrays as lists (logprobs: see
+    :func:`decode_logprobs_lists`; tensors ``[dtype, shape, data]``:
+    :func:`~zmqdispatch.wire.tensors.decode_tensor`); ``error`` is a map or None.
+    """
 
-def output_error(row: tuple[Any, ...]) -> Any:
-    """A decoded row's ``error`` (vLLM 0.33.0 ``EngineCoreOutput.error``, a map) or
-    ``None`` when the row has no such element (0.32.0) or it is nil."""
-    return row[O_ERROR] if len(row) > O_ERROR else None
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: Any = None
+    new_prompt_logprobs_tensors: Any = None
+    pooling_output: Any = None
+    finish_reason: int | None = None
+    stop_reason: int | str | None = None
+    events: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    trace_headers: Any = None
+    prefill_stats: dict[Any, Any] | None = None
+    routed_experts: Any = None
+    num_nans_in_logits: Any = 0
+    mm_cache_miss_hashes: Any = None
+    new_sampling_mask: Any = None
+    spec_decode_metrics: Any = None
+    prompt_token_id_logprobs: Any = None
+    error: Any = None
 
 
+#: Fields of an :class:`EngineCoreOutputRow` (vLLM 0.32.0's 18, then 0.33.0's ``error``).
+ROW_FIELDS = EngineCoreOutputRow.__struct_fields__
+_ROW_N = len(ROW_FIELDS)
+# Positions the typed decode reads as ``Any`` (arrays as lists): the reference decoder
+# turns its tuples into lists there, so both decoders build equal rows.
+_OPAQUE_POSITIONS = tuple(
+    i for i, f in enumerate(ROW_FIELDS) if f not in ("request_id", "new_token_ids", "finish_reason", "stop_reason")
+)
+# vLLM's defaults for each position (0 and 1 are required).
+_ROW_DEFAULTS: tuple[Any, ...] = (None, ()) + tuple(EngineCoreOutputRow.__struct_defaults__)
 # EngineCoreOutputs envelope defaults: engine_index .. weight_version.
 _ENVELOPE_DEFAULTS: tuple[Any, ...] = (0, (), None, 0.0, None, None, None, None, None)
 _ENVELOPE_LEN = len(_ENVELOPE_DEFAULTS)
-
 
 @attrs.frozen
 class UtilityResult:
@@ -115,9 +127,8 @@ def _decode_utility_output(raw: Any) -> UtilityOutput:
     if result is not None:
         if type(result) is not tuple or len(result) != 2:
             raise RemoteProtocolError("EngineCoreOutputs.utility_output.result: expected [type_info, value]")
-        result = UtilityResult(result[1], result[0])
+        result = UtilityResult(_as_any(result[1]), _as_any(result[0]))
     return UtilityOutput(call_id=raw[0], failure_message=failure, result=result)
-
 
 @attrs.define(slots=True)
 class EngineCoreOutputs:
@@ -125,13 +136,8 @@ class EngineCoreOutputs:
 
     Attributes:
         engine_index: the sending engine's index (DP rank).
-        outputs: raw ``EngineCoreOutput`` rows, each a tuple of at least :data:`ROW_LEN`
-            elements indexed with the ``O_*`` constants (``O_ERROR``: :func:`output_error`).
-            Checked: ``[O_REQUEST_ID]`` str,
-            ``[O_NEW_TOKEN_IDS]`` tuple of non-negative ints (the step's *new* tokens),
-            ``[O_FINISH_REASON]`` nil or 0..4, ``[O_STOP_REASON]`` nil/int/str,
-            ``[O_PREFILL_STATS]`` nil or map. Other positions are raw msgpack values
-            (logprobs: see :func:`decode_logprobs_lists`).
+        outputs: the ``EngineCoreOutput`` rows, as :class:`EngineCoreOutputRow` (fields
+            named as vLLM names them; checks: see that class).
         scheduler_stats: the SchedulerStats map (only with log_stats) or None.
         timestamp: the engine's ``time.monotonic()`` in seconds, not wall clock.
         utility_output: the reply to a UTILITY call, or None.
@@ -147,7 +153,7 @@ class EngineCoreOutputs:
     """
 
     engine_index: int = 0
-    outputs: tuple[tuple[Any, ...], ...] = ()
+    outputs: tuple[EngineCoreOutputRow, ...] = ()
     scheduler_stats: dict[str, Any] | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
@@ -163,23 +169,140 @@ def _bad_output(i: int, what: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"EngineCoreOutputs.outputs[{i}].{what}")
 
 
+def _ext_hook(code: int, data: memoryview) -> bytes:
+    return ext_hook(code, bytes(data))
+
+
+_DECODERS: dict[tuple[int, int, int], tuple[Any, msgspec.msgpack.Decoder[Any]]] = {}
+
+
+def _typed(max_rows: int, max_tokens: int, max_id: int) -> tuple[Any, msgspec.msgpack.Decoder[Any]]:
+    """The row class (an :class:`EngineCoreOutputRow` whose checked fields carry these
+    limits as ``msgspec.Meta`` constraints) and the typed ``EngineCoreOutputs`` decoder
+    (cached; the limits are read on every call, so a changed limit takes effect)."""
+    key = (max_rows, max_tokens, max_id)
+    got = _DECODERS.get(key)
+    if got is None:
+        tid = Annotated[int, msgspec.Meta(ge=0, le=max_id)]
+        row = msgspec.defstruct(
+            "EngineCoreOutputRow",
+            [
+                ("new_token_ids", Annotated[tuple[tid, ...], msgspec.Meta(max_length=max_tokens)]),
+                ("finish_reason", Annotated[int, msgspec.Meta(ge=0, le=4)] | None, None),
+                ("stop_reason", tid | str | None, None),
+            ],
+            bases=(EngineCoreOutputRow,),
+            module=__name__,
+            array_like=True,
+            gc=False,
+        )
+        utility = msgspec.defstruct(
+            "UtilityOutput",
+            [("call_id", int), ("failure_message", str | None, None), ("result", tuple[Any, Any] | None, None)],
+            module=__name__,
+            array_like=True,
+            gc=False,
+        )
+        envelope = msgspec.defstruct(
+            "EngineCoreOutputs",
+            [
+                ("engine_index", int),
+                ("outputs", Annotated[tuple[row, ...], msgspec.Meta(max_length=max_rows)]),  # type: ignore[valid-type]
+                ("scheduler_stats", dict[Any, Any] | None, None),
+                ("timestamp", float, 0.0),
+                ("utility_output", utility | None, None),
+                ("finished_requests", tuple[str, ...] | None, None),
+                ("wave_complete", int | None, None),
+                ("start_wave", int | None, None),
+                ("weight_version", str | None, None),
+            ],
+            module=__name__,
+            array_like=True,
+            gc=False,
+        )
+        got = _DECODERS[key] = (row, msgspec.msgpack.Decoder(envelope, ext_hook=_ext_hook))
+    return got
+
+
+_prefill_of = operator.attrgetter("prefill_stats")
+
+
 def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
     """Decode one output message ``[payload, *aux]`` (the hot path: once per engine step).
 
     Wire format: vLLM 0.32.0 ``vllm/v1/engine/__init__.py`` ``EngineCoreOutputs`` /
-    ``EngineCoreOutput`` (array_like). One ``msgpack.unpackb`` (arrays as tuples) plus
-    one loop over the rows; no per-token objects, no per-row copy. Envelopes shorter
-    than 9 elements (at least 2) take vLLM's defaults; longer ones are accepted. Rows
-    shorter than :data:`ROW_LEN` (0.32.0's 18) are padded with vLLM's defaults; full
-    rows (18, or 0.33.0's 19 with ``error``) and longer ones are kept as they are.
+    ``EngineCoreOutput`` (array_like, ``omit_defaults``). One ``msgspec`` typed decode
+    into :class:`EngineCoreOutputRow` rows (the row checks are its types and ``Meta``
+    constraints, as vLLM's own decoder reads these structs), then the prefill counts of
+    the rows that carry ``prefill_stats`` (only if the payload holds their keys at all);
+    no per-token objects. Envelopes of 2 to 9 elements and rows of 2 to 19 take vLLM's
+    defaults for what is missing; elements after a row's 19th (a newer vLLM's fields)
+    and after a ``utility_output``'s 3rd are skipped unread, as msgspec skips fields it
+    does not know (so junk there, which the reference would refuse, is not seen).
+
+    A message the typed decode refuses (one bad row refuses the whole decode), a bad
+    ``prefill_stats``, and an envelope of more than 9 elements go through
+    :func:`_decode_outputs_msgpack`, the msgpack reference decoder: it raises the error
+    naming the field, or decodes the message with its bad rows set aside in
+    :attr:`EngineCoreOutputs.bad_rows`, so the errors and rows are that decoder's.
 
     Raises:
         RemoteProtocolError: the ``ENGINE_CORE_DEAD`` sentinel (check
             :func:`is_dead_sentinel` first), no frames, a frame over
             ``limits.MAX_FRAME_BYTES``, undecodable msgpack, a pickle/unknown ext type,
-            or a field of the wrong shape (message names it). More than
-            ``limits.MAX_OUTPUTS_PER_MESSAGE`` rows or ``limits.MAX_TOKENS_PER_TICK``
-            tokens in one row is also refused.
+            or an envelope field of the wrong shape (message names it). More than
+            ``limits.MAX_OUTPUTS_PER_MESSAGE`` rows is also refused. A bad row does not
+            raise: it is reported in ``bad_rows``.
+    """
+    max_frame = _limits.MAX_FRAME_BYTES
+    if frames and all(len(f) <= max_frame for f in frames):
+        payload = frames[0]
+        if 2 <= msgpack_array_len(payload) <= _ENVELOPE_LEN:
+            max_id = _limits.MAX_TOKEN_ID
+            _row, dec = _typed(_limits.MAX_OUTPUTS_PER_MESSAGE, _limits.MAX_TOKENS_PER_TICK, max_id)
+            try:
+                m = dec.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError, RemoteProtocolError, RecursionError):
+                m = None
+            if m is not None:
+                rows = m.outputs
+                # The prefill counts are checked here; a payload in which neither key
+                # occurs (a steady decode step) holds none to check.
+                if (
+                    (type(payload) is bytes and b"num_prompt_tokens" not in payload
+                     and b"num_cached_tokens" not in payload)
+                    or all(_prefill_stats_ok(ps, max_id) for ps in filter(None, map(_prefill_of, rows)))
+                ):
+                    u = m.utility_output
+                    return EngineCoreOutputs(
+                        m.engine_index,
+                        rows,
+                        m.scheduler_stats,
+                        m.timestamp,
+                        None if u is None else UtilityOutput(
+                            call_id=u.call_id,
+                            failure_message=u.failure_message,
+                            result=None if u.result is None else UtilityResult(u.result[1], u.result[0]),
+                        ),
+                        m.finished_requests,
+                        m.wave_complete,
+                        m.start_wave,
+                        m.weight_version,
+                        frames,
+                    )
+    return _decode_outputs_msgpack(frames)
+
+
+def _decode_outputs_msgpack(frames: Sequence[bytes]) -> EngineCoreOutputs:
+    """:func:`decode_outputs` with ``msgpack.unpackb`` and Python checks: the reference
+    decoder, and the path of every message the typed decode refuses.
+
+    One ``msgpack.unpackb`` (arrays as tuples), the envelope checks, then every row
+    checked on its own: a bad row is set aside in ``bad_rows`` with its request id
+    (when readable) and the error naming the field, the others go on. Rows are built
+    as the typed decode builds them (arrays in the ``Any`` fields as lists, msgpack
+    timestamps as ``datetime``); envelopes longer than 9 elements are accepted.
+    Raises RemoteProtocolError like :func:`decode_outputs`.
     """
     obj = _unpack_output_message(frames, "EngineCoreOutputs")
     if type(obj) is not tuple or len(obj) < 2:
@@ -195,8 +318,10 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
         raise RemoteProtocolError("EngineCoreOutputs.outputs: expected an array")
     if len(rows) > _limits.MAX_OUTPUTS_PER_MESSAGE:
         raise RemoteProtocolError(f"EngineCoreOutputs.outputs: {len(rows)} rows exceed MAX_OUTPUTS_PER_MESSAGE")
-    if stats is not None and type(stats) is not dict:
-        raise RemoteProtocolError("EngineCoreOutputs.scheduler_stats: expected a map or nil")
+    if stats is not None:
+        if type(stats) is not dict:
+            raise RemoteProtocolError("EngineCoreOutputs.scheduler_stats: expected a map or nil")
+        stats = _as_any(stats)
     if type(timestamp) is not float:
         if type(timestamp) is not int:
             raise RemoteProtocolError("EngineCoreOutputs.timestamp: expected a float")
@@ -212,50 +337,41 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
     if weight_version is not None and type(weight_version) is not str:
         raise RemoteProtocolError("EngineCoreOutputs.weight_version: expected a str or nil")
 
-    # The per-row loop: type() identity tests only, locals for every global, no
-    # per-token objects, and no copy of the rows while they are all well formed
-    # (msgpack's tuple is kept; a list is started only at the first padded or bad
-    # row). Error messages are built only on failure; a bad row is set aside (with
-    # its request id when readable), the others go on.
     max_tokens = _limits.MAX_TOKENS_PER_TICK
     max_id = _limits.MAX_TOKEN_ID
-    row_len = ROW_LEN
+    row_cls = _typed(_limits.MAX_OUTPUTS_PER_MESSAGE, max_tokens, max_id)[0]
+    out: list[EngineCoreOutputRow] = []
+    bad: list[tuple[str | None, RemoteProtocolError]] = []
+    full = _ROW_N - 1  # 0.32.0's 18 fields
     _tuple, _int, _str, _dict = tuple, int, str, dict
-    out: list[tuple[Any, ...]] | None = None
-    bad: list[tuple[str | None, RemoteProtocolError]] | None = None
     for i, row in enumerate(rows):
-        # The accepted shape is tested first, in one expression per field; the
-        # problem is worked out only for a row that fails it.
-        if type(row) is _tuple and len(row) >= row_len and type(row[0]) is _str:
+        # The accepted shape of a full row first, one expression per field; the
+        # problem (or the padding of a short row) is worked out only for the others.
+        if type(row) is _tuple and len(row) >= full and type(row[0]) is _str:
             toks = row[1]
             if type(toks) is _tuple and len(toks) <= max_tokens:
                 for t in toks:
                     if type(t) is not _int or t < 0 or t > max_id:
                         break
                 else:
-                    fr = row[5]
-                    sr = row[6]
-                    ps = row[11]
+                    fr, sr, ps = row[5], row[6], row[11]
                     if (
                         (fr is None or (type(fr) is _int and 0 <= fr <= 4))
                         and (sr is None or type(sr) is _str or (type(sr) is _int and 0 <= sr <= max_id))
                         and (ps is None or (type(ps) is _dict and _prefill_stats_ok(ps, max_id)))
                     ):
-                        if out is not None:
-                            out.append(row)
+                        out.append(_row_struct(row_cls, row))
                         continue
-        if out is None:
-            out = list(rows[:i])
         problem = _row_problem(row, max_tokens, max_id)
-        if type(problem) is _tuple:
-            out.append(problem)  # a short row, padded with vLLM's defaults
+        if type(problem) is tuple:
+            out.append(_row_struct(row_cls, problem))
             continue
-        rid = row[0] if type(row) is _tuple and row and type(row[0]) is _str else None
-        (bad := bad or []).append((rid, _bad_output(i, problem)))
+        rid = row[0] if type(row) is tuple and row and type(row[0]) is str else None
+        bad.append((rid, _bad_output(i, problem)))
 
     return EngineCoreOutputs(
         engine_index,
-        rows if out is None else tuple(out),
+        tuple(out),
         stats,
         timestamp,
         utility,
@@ -264,13 +380,71 @@ def decode_outputs(frames: Sequence[bytes]) -> EngineCoreOutputs:
         start_wave,
         weight_version,
         frames,
-        tuple(bad) if bad else (),
+        tuple(bad),
     )
 
 
+_PLAIN_TAIL = _ROW_DEFAULTS[12:18]
+_NONE_3 = (None,) * 3
+_NONE_5 = (None,) * 5
+
+
+def _row_struct(row_cls: Any, row: tuple[Any, ...]) -> EngineCoreOutputRow:
+    """A checked raw row (at least 18 elements) as the typed decode builds it."""
+    if (
+        row[2:5] == _NONE_3
+        and row[7:12] == _NONE_5
+        and row[12:18] == _PLAIN_TAIL
+        and (len(row) < _ROW_N or row[_ROW_N - 1] is None)
+    ):
+        # A plain decode tick: nothing to convert (no array in an ``Any`` field).
+        r0: EngineCoreOutputRow = row_cls(*row[:_ROW_N])
+        return r0
+    values = list(row[:_ROW_N])
+    for i in _OPAQUE_POSITIONS:
+        if i < len(values) and values[i] is not None:
+            values[i] = _as_any(values[i])
+    r: EngineCoreOutputRow = row_cls(*values)
+    return r
+
+
+def _timestamp(ts: msgpack.Timestamp) -> Any:
+    try:
+        return ts.to_datetime()
+    except (OverflowError, ValueError, OSError):
+        raise RemoteProtocolError(f"msgpack timestamp out of range: {ts!r:.80}") from None
+
+
+def _as_any(value: Any) -> Any:
+    """*value* (from ``msgpack.unpackb`` with arrays as tuples) as msgspec decodes an
+    ``Any``: arrays as lists, timestamps (ext -1) as ``datetime``; map keys are kept
+    (msgspec, too, makes array keys tuples). Iterative: msgpack nests up to 1024 deep."""
+    t = type(value)
+    if t is tuple:
+        value = list(value)
+    elif t is msgpack.Timestamp:
+        return _timestamp(value)
+    elif t is not dict:
+        return value
+    todo: list[Any] = [value]
+    while todo:
+        c = todo.pop()
+        for k, v in (c.items() if type(c) is dict else enumerate(c)):
+            t = type(v)
+            if t is tuple:
+                c[k] = v = list(v)
+                todo.append(v)
+            elif t is dict:
+                todo.append(v)
+            elif t is msgpack.Timestamp:
+                c[k] = _timestamp(v)
+    return value
+
+
 def _row_problem(row: Any, max_tokens: int, max_id: int) -> Any:
-    """An output row that :func:`decode_outputs`' fast test did not accept: the
-    row padded to :data:`ROW_LEN` if it is only short, else what is wrong (str)."""
+    """One output row checked by the reference decoder: the row padded to 18 elements
+    (vLLM 0.32.0's fields) with vLLM's defaults if it is well formed, else what is
+    wrong (str)."""
     if type(row) is not tuple or len(row) < 2:
         return "row: expected an array of >= 2 elements"
     if type(row[0]) is not str:
@@ -281,15 +455,15 @@ def _row_problem(row: Any, max_tokens: int, max_id: int) -> Any:
     for t in toks:
         if type(t) is not int or t < 0 or t > max_id:
             return f"new_token_ids: {t!r} is not a token id (0..{max_id})"
-    if len(row) < ROW_LEN:
-        row += _ROW_PADS[len(row)]
-    fr = row[O_FINISH_REASON]
+    if len(row) < _ROW_N - 1:
+        row += _ROW_DEFAULTS[len(row) : _ROW_N - 1]
+    fr = row[5]
     if fr is not None and (type(fr) is not int or fr < 0 or fr > 4):
         return f"finish_reason: {fr!r} is not nil or 0..4"
-    sr = row[O_STOP_REASON]
+    sr = row[6]
     if sr is not None and type(sr) is not str and (type(sr) is not int or sr < 0 or sr > max_id):
         return "stop_reason: expected nil, a token id or a str"
-    ps = row[O_PREFILL_STATS]
+    ps = row[11]
     if ps is not None and (type(ps) is not dict or not _prefill_stats_ok(ps, max_id)):
         return "prefill_stats: expected nil or a map of non-negative int counts"
     return row
@@ -301,7 +475,6 @@ def _prefill_stats_ok(ps: dict[Any, Any], max_count: int) -> bool:
         if v is not None and (type(v) is not int or v < 0 or v > max_count):
             return False
     return True
-
 
 # --------------------------------------------------------------------------- logprobs
 
@@ -345,7 +518,7 @@ def _decode_logprobs(raw: Any, frames: Sequence[Any], field: str) -> LogprobsLis
 
 
 def decode_logprobs_lists(raw: Any, frames: Sequence[bytes]) -> LogprobsLists:
-    """Decode ``row[O_NEW_LOGPROBS]`` (sample logprobs) into lists.
+    """Decode a row's ``new_logprobs`` (sample logprobs) into lists.
 
     Wire: vLLM 0.32.0 ``LogprobsLists`` NamedTuple as an array ``[ids ndarray int32 [n, k+1],
     logprobs ndarray float32 [n, k+1], ranks ndarray int64 [n], cu_num_generated_tokens|nil]``,
@@ -358,7 +531,7 @@ def decode_logprobs_lists(raw: Any, frames: Sequence[bytes]) -> LogprobsLists:
 
 
 def decode_logprobs_tensors(raw: Any, frames: Sequence[bytes]) -> LogprobsLists:
-    """Decode ``row[O_NEW_PROMPT_LOGPROBS]`` (prompt logprobs) into lists.
+    """Decode a row's ``new_prompt_logprobs_tensors`` (prompt logprobs) into lists.
 
     Wire: vLLM 0.32.0 ``LogprobsTensors`` NamedTuple ``[ids tensor int32 [P-1, k+1],
     logprobs tensor float32 [P-1, k+1], ranks tensor int32 [P-1], nil, nil]`` (torch dtype
