@@ -37,7 +37,7 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as ts_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
-from .. import __version__, aio
+from .. import __version__
 from ..errors import RequestRejected, ZmqDispatchError
 from . import facts as facts_mod
 from .facts import ModelFacts
@@ -460,6 +460,8 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
     Raises:
         what ``aio.connect`` raises (handshake, bind), ``OSError`` for the gRPC address.
     """
+    from .. import aio  # the asyncio API (a trio guest run); open_server takes any client of its shape
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     body = asyncio.current_task()
