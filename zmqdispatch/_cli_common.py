@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 __all__ = [
     "DEBUG_ENV", "EXIT_ENGINE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REJECTED", "EXIT_STDOUT_CLOSED",
-    "EXIT_TERMINATED", "INTERNAL_EPILOG", "U32", "Formatter", "bounded_int", "fail", "int_list", "launch_command", "seconds",
-    "token_id_list",
+    "EXIT_TERMINATED", "INTERNAL_EPILOG", "U32", "Formatter", "bounded_int", "fail", "int_list", "launch_command",
+    "seconds", "token_id_list",
 ]
 
 EXIT_OK = 0

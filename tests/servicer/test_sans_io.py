@@ -80,7 +80,7 @@ def test_model_folder_facts_are_read_and_generation_config_eos_wins(tmp_path):
 def test_a_folder_without_config_gives_nothing_and_a_bad_one_is_named(tmp_path):
     assert facts.read_model_dir(str(tmp_path)) == {}
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="config.json: not a JSON object"):
+    with pytest.raises(ValueError, match=r"config\.json: not a JSON object"):
         facts.read_model_dir(str(tmp_path))
 
 

@@ -53,6 +53,14 @@ def _ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
+def _int_tuple(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(ids)
+
+
+def _str_tuple(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
+
+
 def _opt_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -77,10 +85,10 @@ class ModelFacts:
     model_path: str = ""
     tokenizer_path: str | None = None
     vocab_size: int | None = None
-    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     bos_token_id: int | None = None
     pad_token_id: int | None = None
-    architectures: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    architectures: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     model_type: str = ""
 
 

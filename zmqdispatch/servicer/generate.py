@@ -11,6 +11,7 @@ nothing here awaits.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -21,6 +22,10 @@ from ..translate import vllm as vllm_translate
 from ..wire.vllm import FinishReason
 
 __all__ = ["GenerateCall", "TranslateOptions", "translate"]
+
+
+def _int_tuple(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(ids)
 
 
 @attrs.frozen(kw_only=True)
@@ -38,7 +43,7 @@ class TranslateOptions:
     """
 
     runtime: str = "vllm"
-    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     vocab_size: int | None = None
     max_logprobs: int = vllm_translate.DEFAULT_MAX_LOGPROBS
     tokenizer: Any = None
@@ -79,7 +84,8 @@ class GenerateCall:
     def feed(self, index: int, delta: OutputDelta) -> list[Any]:
         """The ``GenerateResponse`` messages of sample *index*'s delta (``[]``
         after its complete)."""
-        return self.builders[index].feed(delta)
+        out: list[Any] = self.builders[index].feed(delta)
+        return out
 
     def stopped_early(self, index: int) -> bool:
         """A client-side stop string ended sample *index* before the engine did

@@ -246,11 +246,14 @@ class ServicerCore:
 
 
 def _outcome(results: Mapping[int, Any], ok: str) -> tuple[bool, str]:
-    failures = {i: r for i, r in results.items() if isinstance(r, BaseException)}
+    """``call_all``'s results as ``(success, message)``: an exception, or
+    ``False`` (vLLM's ``reset_prefix_cache`` while requests hold cache blocks), fails."""
     if not results:
         return False, "no engine is up"
+    failures = [f"engine {i}: {type(r).__name__}: {r}" if isinstance(r, BaseException) else f"engine {i}: refused"
+                for i, r in results.items() if isinstance(r, BaseException) or r is False]
     if failures:
-        return False, "; ".join(f"engine {i}: {type(e).__name__}: {e}" for i, e in failures.items())
+        return False, "; ".join(failures)
     return True, f"{ok} on engine(s) {', '.join(map(str, results))}"
 
 
@@ -269,45 +272,45 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):  # type: ignore[misc]  #
     def __init__(self, core: ServicerCore) -> None:
         self.core = core
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await self.core.generate(request, context)
 
-    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await _unimplemented(context, "Embed: the ZMQ transport serves generation only")
 
-    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         healthy, message = self.core.health()
         return vllm_pb.HealthCheckResponse(healthy=healthy, message=message)
 
-    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.flush_cache()
         return common_pb2.FlushCacheResponse(success=ok, message=message)
 
-    async def StartProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def StartProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.profile(True, request)
         return common_pb2.ProfileResponse(success=ok, message=message)
 
-    async def StopProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def StopProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.profile(False)
         return common_pb2.ProfileResponse(success=ok, message=message)
 
-    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.core.abort(list(request.request_ids))
         return vllm_pb.AbortResponse()
 
-    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.core.model_info()
 
-    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.core.server_info()
 
-    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.core.loads(request)
 
-    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await self.core.tokenizer(context)
 
-    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await _unimplemented(context, "SubscribeKvEvents: KV events are not relayed by this servicer")
 
 
@@ -317,44 +320,44 @@ class TokenSpeedSchedulerServicer(ts_grpc.TokenSpeedSchedulerServicer):  # type:
     def __init__(self, core: ServicerCore) -> None:
         self.core = core
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await self.core.generate(request, context)
 
-    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         healthy, message = self.core.health()
         return ts_pb.HealthCheckResponse(healthy=healthy, message=message)
 
-    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = self.core.abort([request.request_id])
         if n:
             return ts_pb.AbortResponse(success=True, message=f"aborted {n} open stream(s)")
         return ts_pb.AbortResponse(success=False, message=f"no open request {request.request_id!r}")
 
-    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.core.model_info()
 
-    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.core.server_info()
 
-    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.core.loads(request)
 
-    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.flush_cache()
         return common_pb2.FlushCacheResponse(success=ok, message=message)
 
-    async def StartProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def StartProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.profile(True, request)
         return common_pb2.ProfileResponse(success=ok, message=message)
 
-    async def StopProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def StopProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.profile(False)
         return common_pb2.ProfileResponse(success=ok, message=message)
 
-    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await self.core.tokenizer(context)
 
-    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await _unimplemented(context, "SubscribeKvEvents: KV events are not relayed by this servicer")
 
 
