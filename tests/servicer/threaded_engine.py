@@ -22,7 +22,7 @@ from zmqdispatch.wire import vllm as wire
 
 
 class ThreadedFakeEngine:
-    def __init__(self, handshake_address: str, *, max_model_len: int = 256, finish_at: int = 16) -> None:
+    def __init__(self, handshake_address: str, *, max_model_len: int = 4096, finish_at: int = 16) -> None:
         self.handshake_address = handshake_address
         self.max_model_len = max_model_len
         self.finish_at = finish_at

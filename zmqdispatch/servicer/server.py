@@ -128,8 +128,9 @@ class ServicerCore:
         self.last_receive = time.time()
         client = self.client
         try:
+            # engine_index None: a data_parallel_rank is checked by the client against its engines
             translations = translate(request, self.options.translate, max_model_len=client.max_model_len,
-                                     engine_index=client.engine_index)
+                                     engine_index=None)
         except RequestRejected as exc:
             await _abort_with(context, exc)
             return
