@@ -25,17 +25,21 @@ def _req(rid, max_tokens, n=1, **sp):
                               sampling_params=pb.SamplingParams(max_tokens=max_tokens, n=n, **sp), stream=True)
 
 
-def test_serves_n_samples_then_sigterm_lets_a_short_stream_finish_and_stops_the_engine():
+def test_serves_n_samples_through_the_mock():
+    with serve_grpc(*MOCK) as served, grpc.insecure_channel(served.address) as ch:
+        out = list(pbg.VllmEngineStub(ch).Generate(_req("n2", 6, n=2, temperature=1.0)))
+        completes = sorted((r.complete for r in out if r.HasField("complete")), key=lambda c: c.index)
+        assert [(c.index, len(c.output_ids), c.finish_reason) for c in completes] == [(0, 6, "length"),
+                                                                                    (1, 6, "length")]
+
+
+def test_sigterm_lets_a_short_stream_finish_and_stops_the_engine():
     with serve_grpc(*MOCK, "--drain-grace", "20") as served:
         engine_pids = descendants(served.proc.pid)
         assert engine_pids
         with grpc.insecure_channel(served.address) as ch:
             stub = pbg.VllmEngineStub(ch)
             assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
-            out = list(stub.Generate(_req("n2", 6, n=2, temperature=1.0)))
-            completes = sorted((r.complete for r in out if r.HasField("complete")), key=lambda c: c.index)
-            assert [(c.index, len(c.output_ids), c.finish_reason) for c in completes] == [(0, 6, "length"),
-                                                                                        (1, 6, "length")]
             # a stream of ~1 s is in flight when SIGTERM comes: it finishes within the grace
             call = stub.Generate(_req("short", 200))
             first = next(call)

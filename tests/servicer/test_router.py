@@ -39,6 +39,7 @@ def test_the_router_generates_through_the_servicer_and_a_leaving_client_aborts_o
         assert json.loads(direct.stdout)["complete"]["output_ids"] == out["output_ids"]
 
         # streamed: leave after the first event; the router drops its gRPC stream -> ABORT on the engine
+        assert not any("ABORT" in line for line in served.lines)  # what finished was not aborted
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/generate", json.dumps({"model": "tiny", "input_ids": [7, 8, 9], "stream": True,
                                                       "sampling_params": {"max_new_tokens": 3000}}),
