@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from . import _cli_logging
+from . import __version__, _cli_logging
 from ._cli_common import (
     DEBUG_ENV,
     EXIT_ENGINE,
@@ -157,7 +157,7 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     translate = TranslateOptions(runtime=args.runtime, eos_token_ids=facts.eos_token_ids, vocab_size=facts.vocab_size,
                                  max_logprobs=args.max_logprobs, tokenizer=_load_tokenizer(args.tokenizer_path))
     options = ServeOptions(host=args.host, port=args.port, facts=facts, translate=translate, bundle=bundle,
-                           drain_grace=args.drain_grace)
+                           drain_grace=args.drain_grace, version=f"zmqdispatch {__version__}")
     config = ClientConfig(handshake_timeout=args.handshake_timeout, silence_timeout=args.silence_timeout,
                           vocab_size=facts.vocab_size, max_logprobs=args.max_logprobs,
                           allow_unknown_engine_version=args.allow_unknown_engine_version)

@@ -88,7 +88,7 @@ def main() -> int:
         try:
             import uvloop
         except ImportError:
-            uvloop = None
+            uvloop = None  # type: ignore[assignment]  # optional: plain asyncio then
         if uvloop is not None:
             uvloop.run(amain(args, out, "uvloop"))
         else:

@@ -37,7 +37,6 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as ts_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
-from .. import __version__
 from ..errors import RequestRejected, ZmqDispatchError
 from . import facts as facts_mod
 from .facts import ModelFacts
@@ -69,6 +68,7 @@ class ServeOptions:
         bundle: the GetTokenizer ZIP (``None``: ``FAILED_PRECONDITION``).
         drain_grace: seconds in-flight streams get to finish after SIGTERM
             before they are cancelled (and aborted on the engine).
+        version: GetLoads' ``version``.
     """
 
     host: str = "127.0.0.1"
@@ -77,6 +77,7 @@ class ServeOptions:
     translate: TranslateOptions = TranslateOptions()
     bundle: TokenizerBundle | None = None
     drain_grace: float = 30.0
+    version: str = "zmqdispatch"
 
     @property
     def runtime(self) -> str:
@@ -216,7 +217,7 @@ class ServicerCore:
         rows = facts_mod.load_rows(self.client.loads(), {i: s.in_flight for i, s in stats.items()})
         dp_rank = request.dp_rank if request.HasField("dp_rank") else None
         builder = facts_mod.tokenspeed_loads if self._tokenspeed else facts_mod.vllm_loads
-        return builder(rows, version=f"zmqdispatch {__version__}", dp_rank=dp_rank)
+        return builder(rows, version=self.options.version, dp_rank=dp_rank)
 
     async def flush_cache(self) -> tuple[bool, str]:
         """``reset_prefix_cache`` on every engine: ``(all succeeded, message)``."""
@@ -464,7 +465,7 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
     Raises:
         what ``aio.connect`` raises (handshake, bind), ``OSError`` for the gRPC address.
     """
-    from .. import aio  # the asyncio API (a trio guest run); open_server takes any client of its shape
+    from ..aio import connect  # the asyncio API (a trio guest run); open_server takes any client of its shape
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -483,7 +484,7 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        async with aio.connect(**connect_kwargs) as client, open_server(client, options) as running:
+        async with connect(**connect_kwargs) as client, open_server(client, options) as running:
             serving = True
             _log.info("serving %s on %s (%d engine(s))", _service_names(options.runtime)[0], running.address,
                       len(client.states()))
