@@ -12,6 +12,7 @@ import threading
 import time
 
 import grpc
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pbg
 
@@ -110,3 +111,37 @@ def test_sigterm_during_the_handshake_exits_143_without_serving(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_two_engines_each_report_their_load_and_both_take_requests():
+    with serve_grpc(*MOCK, "--data-parallel-size", "2") as served, grpc.insecure_channel(served.address) as ch:
+        stub = pbg.VllmEngineStub(ch)
+        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert info.data_parallel_size == 2
+        calls = [stub.Generate(_req(f"dp{i}", 400)) for i in range(4)]
+        for c in calls:
+            assert next(c).HasField("chunk")
+        loads = stub.GetLoads(pb.GetLoadsRequest())
+        assert [x.dp_rank for x in loads.loads] == [0, 1] and loads.dp_rank_count == 2
+        assert sum(x.num_running_reqs for x in loads.loads) == 4 and all(x.num_running_reqs for x in loads.loads)
+        for c in calls:
+            c.cancel()
+        assert stub.GetLoads(pb.GetLoadsRequest(dp_rank=1)).dp_rank_count == 1
+
+
+def test_the_tokenspeed_scheduler_service_over_the_tokenspeed_mock():
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as tpb
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as tgrpc
+
+    with serve_grpc(*MOCK, "--runtime", "tokenspeed", "--eos-token-id", "2") as served, \
+            grpc.insecure_channel(served.address) as ch:
+        stub = tgrpc.TokenSpeedSchedulerStub(ch)
+        assert stub.HealthCheck(tpb.HealthCheckRequest()).healthy
+        req = tpb.GenerateRequest(request_id="ts1", tokenized=tpb.TokenizedInput(input_ids=[1, 2, 3]),
+                                  sampling_params=tpb.SamplingParams(max_new_tokens=5, ignore_eos=True), stream=True)
+        out = list(stub.Generate(req))
+        assert {r.request_id for r in out} == {"ts1"}
+        assert out[-1].complete.finish_reason == "length" and len(out[-1].complete.output_ids) == 5
+        # TokenSpeed's wire has no utility calls: FlushCache says so instead of failing the RPC
+        flush = stub.FlushCache(common_pb2.FlushCacheRequest())
+        assert not flush.success and "tokenspeed" in flush.message.lower()
