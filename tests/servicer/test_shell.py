@@ -170,3 +170,20 @@ def test_tokenspeed_abort_says_whether_a_stream_was_open():
             assert info.served_model_name == "tiny"
 
     _run(main())
+
+
+def test_reflection_lists_the_services():
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def main():
+        async with open_server(FakeAioClient(), _options()) as srv, grpc.aio.insecure_channel(srv.address) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            call = stub.ServerReflectionInfo()
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            resp = await call.read()
+            await call.done_writing()
+            names = {s.name for s in resp.list_services_response.service}
+            assert {"vllm.grpc.engine.VllmEngine", "grpc.health.v1.Health"} <= names
+            call.cancel()
+
+    _run(main())
