@@ -180,6 +180,9 @@ def _ready(address: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``zmqdispatch serve-grpc``; returns its exit status (see ``--help``)."""
+    # grpc's C core logs its own copy of a failure (a port in use) on stderr; the
+    # command reports it in its one line. GRPC_VERBOSITY set by the caller wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         import grpc  # noqa: F401
         import grpc_health  # noqa: F401

@@ -145,3 +145,18 @@ def test_the_tokenspeed_scheduler_service_over_the_tokenspeed_mock():
         # TokenSpeed's wire has no utility calls: FlushCache says so instead of failing the RPC
         flush = stub.FlushCache(common_pb2.FlushCacheRequest())
         assert not flush.success and "tokenspeed" in flush.message.lower()
+
+
+def test_a_port_in_use_is_one_line_and_exit_3_before_any_engine_is_awaited(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # no engine will ever dial this address: the bind is checked first
+        p = subprocess.run([sys.executable, "-m", "zmqdispatch", "serve-grpc", "--port", str(port),
+                            "--handshake-address", f"ipc://{tmp_path}/hs.sock"], capture_output=True, text=True,
+                           timeout=60)
+    assert p.returncode == 3, p.stderr
+    assert f"127.0.0.1:{port}: cannot bind" in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -45,7 +45,7 @@ from .status import status_of
 from .tokenizer_zip import TokenizerBundle
 
 __all__ = ["ServeOptions", "RunningServer", "ServicerCore", "TokenSpeedSchedulerServicer", "VllmEngineServicer",
-           "open_server", "serve"]
+           "bind_server", "open_server", "serve"]
 
 _log = logging.getLogger("zmqdispatch.servicer")
 
@@ -392,15 +392,16 @@ def _service_names(runtime: str) -> tuple[str, ...]:
     return (pb.DESCRIPTOR.services_by_name[service].full_name,)
 
 
-@asynccontextmanager
-async def open_server(client: Any, options: ServeOptions) -> AsyncIterator[RunningServer]:
-    """Serve *client* (a ``zmqdispatch.aio`` client) on ``options.host:port``
-    until the block is left; leaving drains with ``options.drain_grace``.
+def bind_server(options: ServeOptions) -> RunningServer:
+    """A ``grpc.aio`` server with the servicer of ``options.runtime``,
+    ``grpc.health.v1`` and reflection, bound to ``options.host:port`` but not
+    started (its client is set by :func:`open_server`): the address is
+    checked before the engines are waited for.
 
     Raises:
         OSError: the address cannot be bound (named).
     """
-    core = ServicerCore(client, options)
+    core = ServicerCore(None, options)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
@@ -417,9 +418,25 @@ async def open_server(client: Any, options: ServeOptions) -> AsyncIterator[Runni
         port = server.add_insecure_port(target)
     except RuntimeError as exc:
         raise OSError(f"--host/--port {target}: cannot bind: {exc}") from None
-    await server.start()
-    running = RunningServer(address=target.rsplit(":", 1)[0] + f":{port}", core=core, server=server,
-                            health=health_servicer)
+    return RunningServer(address=target.rsplit(":", 1)[0] + f":{port}", core=core, server=server,
+                         health=health_servicer)
+
+
+@asynccontextmanager
+async def open_server(client: Any, options: ServeOptions, *, bound: RunningServer | None = None
+                      ) -> AsyncIterator[RunningServer]:
+    """Serve *client* (a ``zmqdispatch.aio`` client) on ``options.host:port``
+    (or on the server *bound* by :func:`bind_server`) until the block is left;
+    leaving drains with ``options.drain_grace``.
+
+    Raises:
+        OSError: the address cannot be bound (named).
+    """
+    running = bound if bound is not None else bind_server(options)
+    running.core.client = client
+    names = _service_names(options.runtime)
+    health_servicer = running.health
+    await running.server.start()
 
     async def set_health(serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -429,12 +446,11 @@ async def open_server(client: Any, options: ServeOptions) -> AsyncIterator[Runni
     async def watch_health() -> None:
         serving = client.is_alive
         await set_health(serving)
-        if len(client.states()) == 1:
-            await client.wait_dead()
-            await set_health(False)
-            return
-        while True:  # several engines: their liveness changes both ways
-            await asyncio.sleep(_HEALTH_POLL_SECONDS)
+        while True:
+            if serving and len(client.states()) == 1:
+                await client.wait_dead()  # one engine up: its death, at once
+            else:  # several engines, or none up: liveness changes both ways (a restarted engine rejoins)
+                await asyncio.sleep(_HEALTH_POLL_SECONDS)
             if client.is_alive != serving:
                 serving = client.is_alive
                 await set_health(serving)
@@ -483,8 +499,9 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    bound = bind_server(options)
     try:
-        async with connect(**connect_kwargs) as client, open_server(client, options) as running:
+        async with connect(**connect_kwargs) as client, open_server(client, options, bound=bound) as running:
             serving = True
             _log.info("serving %s on %s (%d engine(s))", _service_names(options.runtime)[0], running.address,
                       len(client.states()))
@@ -499,4 +516,5 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        await bound.server.stop(None)  # unbinds a server that never started (a failed connect); else a no-op
     return got[0] if got else ""
