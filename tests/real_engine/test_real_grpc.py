@@ -17,6 +17,7 @@ import time
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pbg
 
 from tests.servicer.procs import serve_grpc
@@ -55,6 +56,16 @@ def test_router_to_servicer_to_real_engine_tokens_and_cancel(vllm_py, model_dir,
         body = json.loads(text)
         out = body[0] if isinstance(body, list) else body
         assert out["output_ids"] == reference["greedy8"][0]["token_ids"]
+
+        # n > 1 straight through the servicer: samples seeded s + i, as vLLM's own fan-out
+        n3 = REFERENCE_CASES["n3_seed7"]
+        sp = n3["sampling"]
+        req = pb.GenerateRequest(request_id="n3", tokenized=pb.TokenizedInput(input_ids=n3["prompt_token_ids"]),
+                                 sampling_params=pb.SamplingParams(max_tokens=sp["max_tokens"], n=sp["n"],
+                                                                   temperature=sp["temperature"], seed=sp["seed"]),
+                                 stream=False)
+        completes = sorted((r.complete for r in stub.Generate(req, timeout=120)), key=lambda c: c.index)
+        assert [list(c.output_ids) for c in completes] == [c["token_ids"] for c in reference["n3_seed7"]]
 
         # A long stream: the engine holds its blocks (reset_prefix_cache refuses) ...
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
