@@ -35,3 +35,11 @@ def run(loop_kind: str) -> Runner:
             return r.run(guarded())
 
     return runner
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """Wait until *condition* holds (re-checked every loop turn and every
+    millisecond), for state that has no event of its own (a mailbox filling);
+    the ``run`` fixture's hang guard bounds it."""
+    while not condition():
+        await asyncio.sleep(0.001)

@@ -19,6 +19,18 @@ asyncio streams read the same sans-IO mailboxes the trio streams read
 
 from ._guest import GuestRunError, run_in_trio
 from .client import AsyncEngineClient, connect
+from .group import AsyncStreamGroup, GroupItem, GroupMember
+from .samples import AsyncSampleStream
 from .streams import AsyncRequestStream
 
-__all__ = ["AsyncEngineClient", "AsyncRequestStream", "GuestRunError", "connect", "run_in_trio"]
+__all__ = [
+    "AsyncEngineClient",
+    "AsyncRequestStream",
+    "AsyncSampleStream",
+    "AsyncStreamGroup",
+    "GroupItem",
+    "GroupMember",
+    "GuestRunError",
+    "connect",
+    "run_in_trio",
+]

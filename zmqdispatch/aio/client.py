@@ -30,6 +30,8 @@ from ..protocol.runtime import Runtime
 from ..request_stream import EngineRequest
 from ..shell import connect as trio_connect
 from ._guest import GuestRunError, TrioGuest, acquire, release, wait_uncancelled
+from .group import AsyncStreamGroup, adopt
+from .samples import AsyncSampleStream
 from .streams import AsyncRequestStream, stream_parts
 
 __all__ = ["AsyncEngineClient", "connect"]
@@ -149,6 +151,21 @@ class AsyncEngineClient:
         """
         host, request_id, req, in_force = stream_parts(self.trio.generate(request, deadlines=deadlines))
         return AsyncRequestStream(host, request_id, req, in_force)
+
+    def generate_samples(self, requests: Sequence[EngineRequest], *, deadlines: Deadlines | None = None
+                         ) -> AsyncSampleStream:
+        """Validate the ``n`` samples of one parent request; return their merged
+        asyncio stream (use ``async with``), which yields ``(index, OutputDelta)``.
+
+        Arguments, placement and errors as :meth:`zmqdispatch.EngineClient.generate_samples`.
+        """
+        return AsyncSampleStream.of(self.trio.generate_samples(requests, deadlines=deadlines))
+
+    def stream_group(self) -> AsyncStreamGroup:
+        """A new :class:`~zmqdispatch.aio.AsyncStreamGroup` (use ``async with``):
+        many requests read by one asyncio task, one batch per wake-up
+        (:meth:`zmqdispatch.EngineClient.stream_group`)."""
+        return adopt(self.trio.stream_group())
 
     # ------------------------------------------------------------------ trio calls
 
