@@ -142,3 +142,15 @@ def test_a_thousand_concurrent_streams_all_complete_and_leave_nothing_open():
         assert [r async for r in stub.Generate(_req("after", 1))][-1].complete.finish_reason == "length"
 
     _serve(body)
+
+
+def test_cancelling_n_samples_aborts_every_sample_on_the_wire():
+    async def body(stub, engine, srv, client):
+        call = stub.Generate(_req("m", 1000, n=2, temperature=1.0))
+        await call.read()
+        await call.read()  # both samples have their first token
+        call.cancel()
+        assert sorted([await _get(engine.aborts), await _get(engine.aborts)]) == ["m-0", "m-1"]
+        await _until_closed(srv)
+
+    _serve(body)
