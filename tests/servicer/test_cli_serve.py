@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 from smg_grpc_proto.generated import common_pb2
@@ -53,11 +52,12 @@ def test_sigterm_lets_a_short_stream_finish_and_stops_the_engine():
 
 
 def test_past_the_grace_sigterm_aborts_the_stream_on_the_engine():
-    with serve_grpc(*MOCK, "--drain-grace", "0.3") as served, grpc.insecure_channel(served.address) as ch:
+    # a stream of 60,000 tokens at 5 ms: five minutes, far past the 30 s the exit is waited for
+    with serve_grpc(*MOCK, "--drain-grace", "0.3", "--mock-max-model-len", "65536") as served, \
+            grpc.insecure_channel(served.address) as ch:
         stub = pbg.VllmEngineStub(ch)
-        call = stub.Generate(_req("long", 3000))
+        call = stub.Generate(_req("long", 60_000))
         assert next(call).HasField("chunk")
-        t0 = time.monotonic()
         served.proc.send_signal(signal.SIGTERM)
         try:
             for _ in call:
@@ -67,7 +67,6 @@ def test_past_the_grace_sigterm_aborts_the_stream_on_the_engine():
             assert exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
         assert "long" in served.wait_line("ABORT")
         assert served.proc.wait(30) == 0
-        assert time.monotonic() - t0 < 10  # the grace, not the stream's 15 s
 
 
 def test_a_client_that_goes_away_mid_stream_aborts_it_and_the_server_keeps_serving():
