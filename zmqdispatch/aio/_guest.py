@@ -123,25 +123,31 @@ class TrioGuest:
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Await the trio function ``fn(*args)`` from asyncio: it runs as a trio
         task; its result or exception comes back. Cancelling the caller
-        cancels the trio task (not waited for)."""
+        cancels the trio task and waits until it ended (its clean-up done,
+        e.g. a utility call forgotten), then raises ``CancelledError``."""
         fut: asyncio.Future[T] = self.loop.create_future()
+        ended: asyncio.Future[None] = self.loop.create_future()
         scope = trio.CancelScope()
-        self.spawn(_job, fn, args, fut, scope)
+        self.spawn(_job, fn, args, fut, scope, ended)
         try:
             return await fut
         except asyncio.CancelledError:
             scope.cancel()
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # an outcome that raced the cancellation: dropped, as asked
+            await wait_uncancelled(ended)
             raise
 
 
 async def _job(fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], fut: asyncio.Future[Any],
-               scope: trio.CancelScope) -> None:
+               scope: trio.CancelScope, ended: asyncio.Future[None]) -> None:
     try:
         with scope:
             result = await fn(*args)
     except trio.Cancelled:
         if not fut.done():
             fut.set_exception(GuestRunError("the trio guest run stopped before the call returned"))
+            fut.exception()  # its caller may be gone: no "never retrieved" log
         raise
     except BaseException as exc:  # the call's outcome goes to the asyncio caller
         if not fut.done():
@@ -149,12 +155,15 @@ async def _job(fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], fut: as
         if not isinstance(exc, Exception):
             raise
         return
-    if fut.done():
-        return
-    if scope.cancelled_caught:
-        fut.cancel()
     else:
-        fut.set_result(result)
+        if not fut.done():
+            if scope.cancelled_caught:
+                fut.cancel()
+            else:
+                fut.set_result(result)
+    finally:
+        if not ended.done():
+            ended.set_result(None)
 
 
 _guests: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TrioGuest] = weakref.WeakKeyDictionary()
