@@ -106,6 +106,12 @@ SNIPPET_STDOUT = {
 }
 
 
+#: What a snippet containing the key must print (a regex over its stdout).
+SNIPPET_PRINTS = {
+    '"serve-grpc"': r"(?m)\A([01] \[(\d+, ){7}\d+\] length\n){2}\Z",  # the README's gRPC client: n = 2 completes
+}
+
+
 @pytest.mark.parametrize("name,snippet", SNIPPETS, ids=[name for name, _ in SNIPPETS])
 def test_snippet_runs_as_written(name: str, snippet: str, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
@@ -115,6 +121,9 @@ def test_snippet_runs_as_written(name: str, snippet: str, tmp_path: Path) -> Non
     assert "Traceback" not in p.stderr
     if name in SNIPPET_STDOUT:
         assert p.stdout.split() == SNIPPET_STDOUT[name]
+    for key, pattern in SNIPPET_PRINTS.items():
+        if key in snippet:
+            assert re.search(pattern, p.stdout), p.stdout
 
 
 def test_the_docs_have_their_snippets() -> None:
