@@ -91,6 +91,7 @@ async def amain(args: argparse.Namespace) -> None:
 
     from zmqdispatch.servicer.facts import ModelFacts
     from zmqdispatch.servicer.server import ServeOptions, open_server
+    from zmqdispatch.servicer.tokenizer_zip import build_bundle
 
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
@@ -99,7 +100,9 @@ async def amain(args: argparse.Namespace) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
         client = AsyncLLMClient(llm, args.max_model_len)
-        options = ServeOptions(facts=ModelFacts(served_model_name="tiny"), drain_grace=1)
+        tok = args.tokenizer_path
+        facts = ModelFacts(served_model_name="tiny", model_path=tok or "", tokenizer_path=tok)
+        options = ServeOptions(facts=facts, bundle=build_bundle(tok) if tok else None, drain_grace=1)
         async with open_server(client, options) as running:
             print(f"grpc://{running.address}", flush=True)
             await stop.wait()
@@ -112,6 +115,7 @@ def main() -> int:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--tokenizer-path", help="served through GetTokenizer and reported (as serve-grpc does)")
     args = p.parse_args()
     from engine import PrivateRpcDir, offline_environment  # scripts/real_vllm/engine.py
 
