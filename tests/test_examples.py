@@ -4,6 +4,7 @@ given)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -43,8 +44,21 @@ def _control_plane(out: str) -> None:
     assert len(served.split(":", 1)[1].strip("[] ").split(",")) == 4
 
 
+def _asyncio_server(out: str) -> None:
+    lines = out.splitlines()
+    assert lines[0] == "HTTP/1.1 200 OK"
+    deltas = [json.loads(x) for x in lines[1:] if x.startswith("{")]
+    assert sum(len(d.get("token_ids", ())) for d in deltas) == 6
+    assert deltas[-1] == {"finish_reason": "length"}
+    refused = 'HTTP/1.1 400 Bad Request {"error": "input_ids: expected a list of token ids", "field": "input_ids"}'
+    assert refused in lines
+    assert lines[-1] == "aborted after the client left: 1"
+
+
 #: What each example must print (a regex over its stdout, or a check), beyond exiting 0.
 EXPECTED = {
+    "asyncio_generate.py": r"complete \[(\d+, ){7}\d+\]\ntokens per task: \[4, 4, 4, 4\]",
+    "asyncio_server.py": _asyncio_server,
     "generate.py": r"complete \[(\d+, ){7}\d+\]",
     "parallel_samples.py": r"(?m)(^[0-2] \[(\d+, ){5}\d+\] length\n){3}",
     "many_streams.py": r"100 requests, 1600 tokens",
@@ -92,6 +106,12 @@ SNIPPET_STDOUT = {
 }
 
 
+#: What a snippet containing the key must print (a regex over its stdout).
+SNIPPET_PRINTS = {
+    '"serve-grpc"': r"(?m)\A([01] \[(\d+, ){7}\d+\] length\n){2}\Z",  # the README's gRPC client: n = 2 completes
+}
+
+
 @pytest.mark.parametrize("name,snippet", SNIPPETS, ids=[name for name, _ in SNIPPETS])
 def test_snippet_runs_as_written(name: str, snippet: str, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
@@ -101,6 +121,9 @@ def test_snippet_runs_as_written(name: str, snippet: str, tmp_path: Path) -> Non
     assert "Traceback" not in p.stderr
     if name in SNIPPET_STDOUT:
         assert p.stdout.split() == SNIPPET_STDOUT[name]
+    for key, pattern in SNIPPET_PRINTS.items():
+        if key in snippet:
+            assert re.search(pattern, p.stdout), p.stdout
 
 
 def test_the_docs_have_their_snippets() -> None:

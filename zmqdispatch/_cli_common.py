@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import shlex
 import sys
 from collections.abc import Callable
 
 __all__ = [
     "DEBUG_ENV", "EXIT_ENGINE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REJECTED", "EXIT_STDOUT_CLOSED",
-    "EXIT_TERMINATED", "INTERNAL_EPILOG", "U32", "Formatter", "bounded_int", "fail", "int_list", "seconds",
-    "token_id_list",
+    "EXIT_TERMINATED", "INTERNAL_EPILOG", "U32", "Formatter", "bounded_int", "fail", "int_list", "launch_command",
+    "seconds", "token_id_list",
 ]
 
 EXIT_OK = 0
@@ -104,3 +105,14 @@ def seconds(*, zero_ok: bool) -> Callable[[str], float]:
 
 
 U32 = 2**32 - 1
+
+
+def launch_command(text: str) -> str:
+    """An argparse type: an engine command line, non-empty and parseable by shell quoting rules."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a command line: {exc}") from None
+    if not argv:
+        raise argparse.ArgumentTypeError("the engine command is empty")
+    return text

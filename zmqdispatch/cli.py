@@ -1,4 +1,4 @@
-"""Command line: ``zmqdispatch generate``, ``zmqdispatch mock-engine`` and ``zmqdispatch bench``.
+"""Command line: ``zmqdispatch generate``, ``mock-engine``, ``serve-grpc`` and ``bench``.
 
 ``generate`` reads a proto-JSON ``vllm.grpc.engine.GenerateRequest`` (with
 ``--runtime tokenspeed``: a ``tokenspeed.grpc.scheduler.GenerateRequest``), or
@@ -27,7 +27,8 @@ stdout closed or unwritable (the request is aborted); 1 an
 internal error (a bug: ``ZMQDISPATCH_DEBUG=1`` shows its traceback) or out of
 file descriptors. Failures print one line on stderr, no traceback.
 
-``mock-engine``'s options and runner are in :mod:`zmqdispatch._cli_mock`; what
+``mock-engine``'s options and runner are in :mod:`zmqdispatch._cli_mock`,
+``serve-grpc``'s in :mod:`zmqdispatch._cli_grpc`; what
 the subcommands share (exit statuses, the failure line, argument types) in
 :mod:`zmqdispatch._cli_common`.
 """
@@ -38,7 +39,6 @@ import argparse
 import errno
 import math
 import os
-import shlex
 import signal
 import sys
 import uuid
@@ -60,6 +60,7 @@ from google.protobuf.message import Message
 from . import __version__
 from .addresses import check_address
 from . import _cli_logging
+from . import _cli_grpc
 from . import _cli_mock
 from . import _cli_requests
 from ._cli_common import DEBUG_ENV as DEBUG_ENV  # the traceback switch, read as cli.DEBUG_ENV too
@@ -77,6 +78,7 @@ from ._cli_common import (
     bounded_int,
     fail,
     int_list,
+    launch_command,
     seconds,
     token_id_list,
 )
@@ -139,17 +141,6 @@ class _Terminated(Exception):
     """SIGTERM arrived: the generate was cancelled and its engine stopped."""
 
 
-def _launch_command(text: str) -> str:
-    """An engine command line: non-empty and parseable by shell quoting rules."""
-    try:
-        argv = shlex.split(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a command line: {exc}") from None
-    if not argv:
-        raise argparse.ArgumentTypeError("the engine command is empty")
-    return text
-
-
 class _Parser(argparse.ArgumentParser):
     """Reports a bad argument in one stderr line (the usage is in ``--help``)."""
 
@@ -198,7 +189,7 @@ def _build_parser() -> argparse.ArgumentParser:
     how = eng.add_mutually_exclusive_group()
     how.add_argument("--handshake-address", metavar="ADDR",
                      help="bind here (tcp://HOST:PORT or ipc://PATH) and wait for an engine to dial in")
-    how.add_argument("--launch", type=_launch_command, metavar="CMD",
+    how.add_argument("--launch", type=launch_command, metavar="CMD",
                      help="engine command; {handshake_address} is substituted")
     eng.add_argument("--data-parallel-size", type=bounded_int(1, 65536), metavar="N",
                      help="serve N engines (the ranks of one `vllm serve --data-parallel-size N`, or N that "
@@ -238,6 +229,12 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_cli_mock.EPILOG,
     )
     _cli_mock.add_arguments(m)
+    sg = sub.add_parser("serve-grpc", help="serve the engines as a gRPC VllmEngine / TokenSpeedScheduler worker",
+                        description="A gRPC servicer (vllm.grpc.engine.VllmEngine, or with --runtime tokenspeed "
+                                    "tokenspeed.grpc.scheduler.TokenSpeedScheduler) backed by zmqdispatch over ZMQ, "
+                                    "for gateways such as smg (docs/grpc.md; needs the 'grpc' extra).",
+                        formatter_class=Formatter, epilog=_cli_grpc.EPILOG)
+    _cli_grpc.add_arguments(sg)
     b = sub.add_parser("bench", help="transport benchmark: zmqdispatch vs the raw limit vs vLLM's client",
                        description="See zmqdispatch.bench.harness (progress bar and PNG: the 'bench' extra).",
                        formatter_class=Formatter, epilog=_BENCH_EPILOG)
@@ -620,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.command in ("generate", "mock-engine") and (complaint := _open_files_limit()):
+    if args.command in ("generate", "mock-engine", "serve-grpc") and (complaint := _open_files_limit()):
         return fail(EXIT_INTERNAL, f"out of file descriptors: {complaint}")
     if args.command in ("generate", "mock-engine"):
         # The wait for an engine started elsewhere (or by --launch) is said at
@@ -631,6 +628,8 @@ def _run(args: argparse.Namespace) -> int:
         return bench_harness.main(args)
     if args.command == "mock-engine":
         return _cli_mock.run(args)
+    if args.command == "serve-grpc":
+        return _cli_grpc.run(args)
     if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to write the responses
         return fail(EXIT_STDOUT_CLOSED, "stdout is closed: nowhere to write the responses; nothing was sent")
     try:

@@ -196,6 +196,22 @@ class RequestStream:
     async def __aexit__(self, *exc: object) -> None:
         self.abort()
 
+    def detach(self) -> tuple[StreamHost, EngineRequest, Deadlines | None]:
+        """Hand this validated, never-entered stream's parts to another shell:
+        ``(host, request, deadlines in force)``. The asyncio facade
+        (:mod:`zmqdispatch.aio`) drives the same :class:`StreamHost` calls from
+        asyncio, so validation and placement stay the client's. Nothing was
+        sent; this stream is closed (entering it raises ``RequestStreamClosed``).
+
+        Raises:
+            LocalProtocolError: the stream was entered or already detached.
+        """
+        if self._entered or self._request is None or self._mailbox is not None:
+            raise LocalProtocolError(f"request {self.request_id!r}: only a stream never entered can be detached")
+        request, self._request = self._request, None
+        self._closed = True
+        return self._host, request, self._deadlines
+
     def abort(self) -> None:
         """Abort the request now unless it already finished. Synchronous,
         idempotent, never raises; iteration afterwards raises

@@ -92,6 +92,25 @@ class SampleStream:
     def __repr__(self) -> str:
         return f"<SampleStream n={len(self._streams)} live={sorted(self._live)} error={self._error!r}>"
 
+    def detach(self) -> tuple[StreamHost, list[tuple[str, EngineRequest, Deadlines | None]]]:
+        """Hand these validated, never-entered samples to another shell:
+        ``(host, [(request_id, request, deadlines in force), ...])`` in index
+        order. The asyncio facade (:mod:`zmqdispatch.aio`) reads the same
+        mailboxes through the same :class:`StreamHost`. Nothing was sent; this
+        stream cannot be entered afterwards.
+
+        Raises:
+            LocalProtocolError: the stream was entered or already detached.
+        """
+        if self._entered:
+            raise LocalProtocolError("only a sample stream never entered can be detached")
+        self._entered = True
+        parts = []
+        for s in self._streams:
+            _, request, deadlines = s.detach()
+            parts.append((s.request_id, request, deadlines))
+        return self._host, parts
+
     @property
     def request_ids(self) -> list[str]:
         """The samples' request ids, in index order."""

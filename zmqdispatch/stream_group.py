@@ -120,6 +120,12 @@ class StreamGroup:
     def __repr__(self) -> str:
         return f"<StreamGroup members={len(self._members)} ready={len(self._ready)} closed={self._closed}>"
 
+    @property
+    def host(self) -> StreamHost:
+        """The :class:`StreamHost` members are opened through (the asyncio
+        group of :mod:`zmqdispatch.aio` is built on the same one)."""
+        return self._host
+
     def __len__(self) -> int:
         """Members that have not delivered their terminal item (nor were aborted)."""
         return len(self._members)

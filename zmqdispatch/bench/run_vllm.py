@@ -88,11 +88,9 @@ def main() -> int:
         try:
             import uvloop
         except ImportError:
-            uvloop = None
-        if uvloop is not None:
-            uvloop.run(amain(args, out, "uvloop"))
-        else:
             asyncio.run(amain(args, out, "asyncio"))
+        else:
+            uvloop.run(amain(args, out, "uvloop"))
     finally:
         rpc.cleanup()
     return 0
