@@ -1,7 +1,7 @@
 """A program for tests/aio/test_lifecycle.py: an asyncio client that launches the
 mock engine and is then ended one way or another while it streams.
 
-    python lifecycle_program.py MODE LOOP      MODE: return | close | sigint   LOOP: asyncio | uvloop
+    python lifecycle_program.py MODE LOOP      MODE: return | close | sigint | sigint-bare   LOOP: asyncio | uvloop
 
 It prints ``ENGINE <pid>`` once the engine is up, ``STREAMING`` once tokens
 flow, and what its streams ended with; the test checks its exit, its stderr
@@ -75,7 +75,16 @@ async def main(mode: str) -> None:
 if __name__ == "__main__":
     mode, loop = sys.argv[1], sys.argv[2]
     try:
-        if loop == "uvloop":
+        if mode == "sigint-bare":
+            # a loop run by hand, without asyncio.run's SIGINT handler: Ctrl-C goes to trio
+            import uvloop
+
+            bare = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+            try:
+                bare.run_until_complete(main("sigint"))
+            finally:
+                bare.close()
+        elif loop == "uvloop":
             import uvloop
 
             uvloop.run(main(mode))

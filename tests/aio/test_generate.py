@@ -19,6 +19,7 @@ from zmqdispatch import (
     SlowConsumerError,
     aio,
 )
+from zmqdispatch.aio import _guest
 from zmqdispatch.aio.testing import AsyncFakeEngine, open_fake_engine_pair
 from zmqdispatch.wire.vllm import EngineCoreRequest, FinishReason
 
@@ -168,6 +169,16 @@ def test_errors_are_the_trio_types(run: Runner) -> None:
             with pytest.raises(LocalProtocolError):
                 await stream.__anext__()  # not entered: refused, and nothing was sent
 
+            elsewhere = client.generate(_request("r0", 4))
+
+            async def enter() -> None:
+                async with elsewhere:
+                    pass
+
+            with pytest.raises(LocalProtocolError, match="another event loop"):
+                await asyncio.to_thread(asyncio.run, enter())  # a loop of its own, in another thread
+            assert client.engine_of("r0") is None
+
             with pytest.raises(DeadlineExceeded):
                 async with client.generate(_request("slow", 4), deadlines=Deadlines(first_token=0.05)) as s:
                     async for _ in s:
@@ -253,8 +264,31 @@ def test_two_clients_in_one_loop(run: Runner) -> None:
             await e1.send_tokens("a", [1], finish=FinishReason.LENGTH)
             assert await t1 == [1] and await t2 == [2]
             assert c1._guest is c2._guest  # one trio run for the loop
+        assert _guest._guests.get(asyncio.get_running_loop()) is None  # the last one out ended the run
+        assert c1._guest.done.done()
 
     run(main)
+
+
+def test_run_in_trio_starts_and_ends_a_run_for_the_call(run: Runner) -> None:
+    async def main() -> None:
+        import trio
+
+        async def in_trio(x: int) -> tuple[int, str]:
+            await trio.sleep(0)
+            return x + 1, trio.lowlevel.current_task().name
+
+        value, _ = await aio.run_in_trio(in_trio, 1)
+        assert value == 2
+        assert _guest._guests.get(asyncio.get_running_loop()) is None
+        with pytest.raises(KeyError):
+            await aio.run_in_trio(_raise_key_error)
+
+    run(main)
+
+
+async def _raise_key_error() -> None:
+    raise KeyError("raised in trio")
 
 
 def test_a_thread_that_already_runs_trio_gets_a_clear_error(run: Runner) -> None:

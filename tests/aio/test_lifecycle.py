@@ -1,6 +1,7 @@
 """Ending an asyncio program that has a launched engine streaming: closing
 the client with streams open, ``asyncio.run`` returning with the client still
-open, Ctrl-C. Each runs tests/aio/lifecycle_program.py as a process of its
+open, Ctrl-C (under ``asyncio.run``, and with a loop run by hand, where
+trio takes SIGINT). Each runs tests/aio/lifecycle_program.py as a process of its
 own (its stderr must hold no traceback, it must exit by itself, and the mock
 engine it launched must be gone)."""
 
@@ -31,7 +32,7 @@ def _run(mode: str, loop_kind: str) -> tuple[int, list[str], str, int]:
             lines.append(line.strip())
             if line.startswith("ENGINE "):
                 engine_pid = int(line.split()[1])
-            if line.startswith("STREAMING") and mode == "sigint":
+            if line.startswith("STREAMING") and mode.startswith("sigint"):
                 proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=GUARD_S)
     finally:
@@ -42,12 +43,12 @@ def _run(mode: str, loop_kind: str) -> tuple[int, list[str], str, int]:
     return proc.returncode, lines, err, engine_pid
 
 
-@pytest.mark.parametrize("mode", ["close", "return", "sigint"])
+@pytest.mark.parametrize("mode", ["close", "return", "sigint", "sigint-bare"])
 def test_the_program_ends_cleanly_and_the_engine_is_stopped(mode: str, loop_kind: str) -> None:
     code, lines, err, engine_pid = _run(mode, loop_kind)
     assert "Traceback" not in err, err
     assert engine_pid > 0, (lines, err)
-    if mode == "sigint":
+    if mode.startswith("sigint"):
         assert code == 130 and lines[-1] == "INTERRUPTED ENGINE-GONE", (lines, err)
     else:
         assert code == 0 and lines[-1] == "DONE ENGINE-GONE", (lines, err)

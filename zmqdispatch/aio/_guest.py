@@ -87,13 +87,21 @@ class TrioGuest:
 
         def on_done(result: outcome.Outcome[None]) -> None:
             self.nursery = None
-            if isinstance(result, outcome.Error):
-                _log.error("the trio guest run ended with an error", exc_info=result.error)
+            error = result.error if isinstance(result, outcome.Error) else None
+            interrupted = isinstance(error, KeyboardInterrupt) or (
+                isinstance(error, BaseExceptionGroup) and error.subgroup(KeyboardInterrupt) is not None)
+            if error is not None and not interrupted:
+                _log.error("the trio guest run ended with an error", exc_info=error)
             if not self.started.done():
-                exc = result.error if isinstance(result, outcome.Error) else GuestRunError("the trio run ended")
-                self.started.set_exception(exc)
+                self.started.set_exception(error or GuestRunError("the trio run ended"))
+                self.started.exception()
             if not self.done.done():
                 self.done.set_result(result)
+            if interrupted:
+                # Ctrl-C went to trio (a loop run without asyncio.run, which
+                # would have taken SIGINT itself): the clients closed as the
+                # run ended; the interrupt goes on to the loop's caller.
+                raise KeyboardInterrupt
 
         try:
             trio.lowlevel.start_guest_run(

@@ -150,7 +150,7 @@ class AsyncEngineClient:
         (synchronous: validates now; nothing is sent before the stream is entered).
         """
         host, request_id, req, in_force = stream_parts(self.trio.generate(request, deadlines=deadlines))
-        return AsyncRequestStream(host, request_id, req, in_force)
+        return AsyncRequestStream(host, request_id, req, in_force, self._guest.loop)
 
     def generate_samples(self, requests: Sequence[EngineRequest], *, deadlines: Deadlines | None = None
                          ) -> AsyncSampleStream:

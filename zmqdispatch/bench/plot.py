@@ -17,10 +17,12 @@ from ._common import SERVICE_AUTOGROUP_NICE
 __all__ = ["plot", "plot_real"]
 
 _STYLE = {"raw": ("#7f7f7f", "--", "s"), "zmqdispatch": ("#1f77b4", "-", "o"),
-          "zmqdispatch-group": ("#2ca02c", "-.", "D"), "vllm": ("#d62728", "-", "^"), "smg": ("#9467bd", "-", "v")}
+          "zmqdispatch-group": ("#2ca02c", "-.", "D"),
+          "zmqdispatch-asyncio": ("#ff7f0e", ":", "P"), "vllm": ("#d62728", "-", "^"), "smg": ("#9467bd", "-", "v")}
 _LABEL = {"raw": "raw pyzmq+msgpack loop (limit)", "zmqdispatch": "zmqdispatch (a task per stream)",
           "smg": "SMG (Rust gateway)",
-          "zmqdispatch-group": "zmqdispatch StreamGroup (one reader task)", "vllm": "vLLM AsyncLLM"}
+          "zmqdispatch-group": "zmqdispatch StreamGroup (one reader task)",
+          "zmqdispatch-asyncio": "zmqdispatch.aio under uvloop (an asyncio task per stream)", "vllm": "vLLM AsyncLLM"}
 
 
 def _series(doc: dict[str, Any], prefix: str, key: Any) -> dict[str, list[tuple[int, float]]]:
