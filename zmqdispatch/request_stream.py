@@ -25,7 +25,7 @@ from .protocol.runtime import Runtime
 from .wire import tokenspeed as _ts
 from .wire import vllm as _vllm
 
-__all__ = ["EngineRequest", "RequestStream", "StreamHost"]
+__all__ = ["EngineRequest", "RequestStream", "StreamHost", "unsent_error"]
 
 #: A request on the engine's own wire, what ``generate`` accepts: vLLM's
 #: ``EngineCoreRequest`` or TokenSpeed's ``TokenizedGenerateReqInput``
@@ -85,6 +85,27 @@ async def _wait_sent(add: Outgoing) -> None:
     add.waiter = wake
     await trio.lowlevel.wait_task_rescheduled(abort_fn)
 
+
+
+def unsent_error(add: Outgoing, request_id: str, host: StreamHost) -> BaseException | None:
+    """The error an ADD that settled without being sent stands for, None while
+    it is queued, being sent, or once sent: ``FAILED`` the engine's death
+    (``host.check_alive()``'s ``EngineDeadError``), ``REJECTED`` the encoder's
+    ``RequestRejected``, ``CANCELLED`` ``RequestStreamClosed``. Every shell's
+    streams (trio, asyncio, samples) read a settled ADD through this."""
+    state = add.state
+    if state is SendState.FAILED:
+        try:
+            host.check_alive()
+        except EngineDeadError as exc:
+            return exc
+        return EngineDeadError("engine died before the request was sent", reason="closed")
+    if state is SendState.REJECTED:
+        assert add.error is not None
+        return add.error  # the request could not be encoded, nothing was sent
+    if state is SendState.CANCELLED:
+        return RequestStreamClosed(f"request {request_id!r} was aborted before it was sent", request_id=request_id)
+    return None
 
 
 class RequestStream:
@@ -163,19 +184,10 @@ class RequestStream:
         try:
             while add.state is SendState.QUEUED or add.state is SendState.SENDING:
                 await _wait_sent(add)
-            if add.state is SendState.FAILED:
+            error = unsent_error(add, self.request_id, self._host)
+            if error is not None:
                 self._closed = True
-                self._host.check_alive()
-                raise EngineDeadError("engine died before the request was sent", reason="closed")
-            if add.state is SendState.REJECTED:
-                self._closed = True
-                assert add.error is not None
-                raise add.error  # RequestRejected: the request could not be encoded, nothing was sent
-            if add.state is SendState.CANCELLED:
-                self._closed = True
-                raise RequestStreamClosed(
-                    f"request {self.request_id!r} was aborted before it was sent", request_id=self.request_id
-                )
+                raise error
             # Inside the try: a cancellation landing on this last checkpoint
             # leaves without __aexit__, so it must abort here (no leak).
             await trio.lowlevel.checkpoint()

@@ -18,11 +18,11 @@ from typing import Self
 
 import trio
 
-from ..errors import EngineDeadError, LocalProtocolError, RequestStreamClosed, ZmqDispatchError
+from ..errors import LocalProtocolError, RequestStreamClosed, ZmqDispatchError
 from ..protocol.deadlines import Deadlines
 from ..protocol.engine import SendState
 from ..protocol.mailbox import Mailbox, OutputDelta
-from ..request_stream import EngineRequest, StreamHost
+from ..request_stream import EngineRequest, StreamHost, unsent_error
 from ..sample_stream import SampleStream
 
 __all__ = ["AsyncSampleStream"]
@@ -131,27 +131,15 @@ class AsyncSampleStream:
             raise
         for i, mb in enumerate(self._mailboxes):
             add = mb.add
-            if add.state is SendState.FAILED:
-                self._fail(i, self._dead())
-            elif add.state is SendState.REJECTED:
-                assert add.error is not None
-                self._fail(i, add.error)
-            elif add.state is SendState.CANCELLED and i in self._live:
-                self._fail(i, RequestStreamClosed(f"request {self._ids[i]!r} was aborted before it was sent",
-                                                  request_id=self._ids[i]))
+            error = unsent_error(add, self._ids[i], self._host)
+            if error is not None and (add.state is not SendState.CANCELLED or i in self._live):
+                self._fail(i, error)
         for i in sorted(self._open):
             mb = self._mailboxes[i]
             mb.waiter = self._hooks[i]
             if mb.pending is not None or mb.finished:
                 self._queue(i)
         return self
-
-    def _dead(self) -> BaseException:
-        try:
-            self._host.check_alive()
-        except EngineDeadError as exc:
-            return exc
-        return EngineDeadError("engine died before the request was sent", reason="closed")
 
     def _fail(self, index: int, exc: BaseException) -> None:
         """Sample *index* failed: the parent's error (the first wins); its live

@@ -19,11 +19,11 @@ from typing import Any, Self
 
 import trio
 
-from ..errors import EngineDeadError, LocalProtocolError, RequestStreamClosed
+from ..errors import LocalProtocolError, RequestStreamClosed
 from ..protocol.deadlines import Deadlines
 from ..protocol.engine import Outgoing, SendState
 from ..protocol.mailbox import Mailbox, OutputDelta
-from ..request_stream import EngineRequest, StreamHost
+from ..request_stream import EngineRequest, StreamHost, unsent_error
 
 __all__ = ["AsyncRequestStream"]
 
@@ -127,19 +127,10 @@ class AsyncRequestStream:
         try:
             while add.state is SendState.QUEUED or add.state is SendState.SENDING:
                 await _wait_sent(add, loop)
-            if add.state is SendState.FAILED:
+            error = unsent_error(add, self.request_id, self._host)
+            if error is not None:
                 self._closed = True
-                self._host.check_alive()
-                raise EngineDeadError("engine died before the request was sent", reason="closed")
-            if add.state is SendState.REJECTED:
-                self._closed = True
-                assert add.error is not None
-                raise add.error
-            if add.state is SendState.CANCELLED:
-                self._closed = True
-                raise RequestStreamClosed(
-                    f"request {self.request_id!r} was aborted before it was sent", request_id=self.request_id
-                )
+                raise error
         except BaseException:
             self.abort()
             raise
