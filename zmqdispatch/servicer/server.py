@@ -268,8 +268,11 @@ async def _unimplemented(context: grpc.aio.ServicerContext, what: str) -> None:
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, what)
 
 
-class VllmEngineServicer(vllm_grpc.VllmEngineServicer):  # type: ignore[misc]  # generated, untyped base
-    """``vllm.grpc.engine.VllmEngine`` over a :class:`ServicerCore`."""
+class _SharedRPCs:
+    """The RPCs both services answer alike over a :class:`ServicerCore`
+    (their messages are the services' own; ``common`` ones where shared)."""
+
+    core: ServicerCore
 
     def __init__(self, core: ServicerCore) -> None:
         self.core = core
@@ -277,12 +280,14 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):  # type: ignore[misc]  #
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await self.core.generate(request, context)
 
-    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _unimplemented(context, "Embed: the ZMQ transport serves generation only")
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return self.core.model_info()
 
-    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        healthy, message = self.core.health()
-        return vllm_pb.HealthCheckResponse(healthy=healthy, message=message)
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return self.core.server_info()
+
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return self.core.loads(request)
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.flush_cache()
@@ -296,19 +301,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):  # type: ignore[misc]  #
         ok, message = await self.core.profile(False)
         return common_pb2.ProfileResponse(success=ok, message=message)
 
-    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.core.abort(list(request.request_ids))
-        return vllm_pb.AbortResponse()
-
-    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.core.model_info()
-
-    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.core.server_info()
-
-    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.core.loads(request)
-
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         await self.core.tokenizer(context)
 
@@ -316,14 +308,23 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):  # type: ignore[misc]  #
         await _unimplemented(context, "SubscribeKvEvents: KV events are not relayed by this servicer")
 
 
-class TokenSpeedSchedulerServicer(ts_grpc.TokenSpeedSchedulerServicer):  # type: ignore[misc]
+class VllmEngineServicer(_SharedRPCs, vllm_grpc.VllmEngineServicer):  # type: ignore[misc]  # generated, untyped base
+    """``vllm.grpc.engine.VllmEngine`` over a :class:`ServicerCore`."""
+
+    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "Embed: the ZMQ transport serves generation only")
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        healthy, message = self.core.health()
+        return vllm_pb.HealthCheckResponse(healthy=healthy, message=message)
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.core.abort(list(request.request_ids))
+        return vllm_pb.AbortResponse()
+
+
+class TokenSpeedSchedulerServicer(_SharedRPCs, ts_grpc.TokenSpeedSchedulerServicer):  # type: ignore[misc]
     """``tokenspeed.grpc.scheduler.TokenSpeedScheduler`` over a :class:`ServicerCore`."""
-
-    def __init__(self, core: ServicerCore) -> None:
-        self.core = core
-
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        await self.core.generate(request, context)
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         healthy, message = self.core.health()
@@ -334,33 +335,6 @@ class TokenSpeedSchedulerServicer(ts_grpc.TokenSpeedSchedulerServicer):  # type:
         if n:
             return ts_pb.AbortResponse(success=True, message=f"aborted {n} open stream(s)")
         return ts_pb.AbortResponse(success=False, message=f"no open request {request.request_id!r}")
-
-    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.core.model_info()
-
-    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.core.server_info()
-
-    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.core.loads(request)
-
-    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        ok, message = await self.core.flush_cache()
-        return common_pb2.FlushCacheResponse(success=ok, message=message)
-
-    async def StartProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        ok, message = await self.core.profile(True, request)
-        return common_pb2.ProfileResponse(success=ok, message=message)
-
-    async def StopProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        ok, message = await self.core.profile(False)
-        return common_pb2.ProfileResponse(success=ok, message=message)
-
-    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        await self.core.tokenizer(context)
-
-    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        await _unimplemented(context, "SubscribeKvEvents: KV events are not relayed by this servicer")
 
 
 @attrs.define
