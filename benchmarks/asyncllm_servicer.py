@@ -10,7 +10,8 @@ on SIGTERM.
 Only what a benchmark stream needs is mapped (prompt ids, ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``ignore_eos``); each
 ``RequestOutput`` (``output_kind`` DELTA) becomes one delta. Leaving a stream
-closes AsyncLLM's generator, which aborts the request in vLLM.
+closes AsyncLLM's generator, which aborts the request in vLLM. It runs under
+uvloop, as vLLM's own servers and ``serve-grpc`` do.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def main() -> int:
     os.dup2(2, 1)  # vLLM's prints go to stderr; stdout keeps the one address line
     sys.stdout = os.fdopen(real_stdout, "w")
     try:
-        asyncio.run(amain(args))
+        import uvloop  # a vLLM dependency; vLLM's own servers run under it, as serve-grpc does
+
+        uvloop.run(amain(args))
     finally:
         rpc.cleanup()
     return 0

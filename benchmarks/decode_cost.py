@@ -18,6 +18,9 @@ one run, with:
 - ``decode_outputs``: the hot path as the client calls it: msgspec typed (vLLM: into
   ``EngineCoreOutputRow`` rows, plus the prefill-stats pass; TokenSpeed: with the
   ragged-column checks), the message built (the msgpack reference is the ``msgpack`` line);
+- SGLang (``BatchTokenIDSlimOutput`` with the load tail and ``finished_status``):
+  ``msgpack-raw`` and ``decode_outputs`` (the msgpack reference decoder: SGLang's has
+  no typed fast path yet);
 - ``msgspec+tuples`` (vLLM only): the ``msgspec`` line with each row then turned into a
   tuple (``msgspec.structs.astuple``): what rows indexed by position would cost.
 
@@ -39,6 +42,8 @@ import msgpack
 import msgspec
 
 from zmqdispatch import limits
+from zmqdispatch.wire import sglang as sg
+from zmqdispatch.wire import sglang_engine as sg_engine
 from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
@@ -145,6 +150,17 @@ def ts_message(c: int, step: int, finished: int) -> list[bytes]:
         logprob_vals=((),) * c, logprob_ids=((),) * c, num_running=c, kv_active_pages=c, kv_total_pages=4096))
 
 
+def sg_message(c: int, step: int, finished: int) -> list[bytes]:
+    return sg_engine.encode_outputs(sg.SGLangBatch(
+        rids=tuple(f"req-{step}-{i:06d}" for i in range(c)),
+        output_ids=tuple((1000 + (i * 7 + step) % 30000,) for i in range(c)),
+        finished_reasons=tuple("stop" if i < finished else "" for i in range(c)),
+        finished_messages=(None,) * c, finished_matched=tuple(2 if i < finished else None for i in range(c)),
+        prompt_tokens=(128,) * c, completion_tokens=(step + 1,) * c, cached_tokens=(0,) * c,
+        logprob_vals=((),) * c, logprob_ids=((),) * c, num_running=c, kv_used_tokens=c * 130,
+        kv_total_tokens=65536, finished_status=(None,) * c))
+
+
 def _raw(frames: list[bytes]) -> Any:
     return msgpack.unpackb(frames[0], use_list=False, raw=False, strict_map_key=False, ext_hook=ext_hook)
 
@@ -237,6 +253,8 @@ def main() -> None:
             "tokenspeed": ([ts_message(c, s, args.finished) for s in range(8)], [
                 ("msgpack", ts._decode_outputs_msgpack), ("msgpack-raw", _raw), ("msgspec", _ts_msgspec),
                 ("decode_outputs", ts.decode_outputs)]),
+            "sglang": ([sg_message(c, s, args.finished) for s in range(8)], [
+                ("msgpack-raw", _raw), ("decode_outputs", sg.decode_outputs)]),
         }
         for runtime, (messages, decoders) in cases.items():
             base = None

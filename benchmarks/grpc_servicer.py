@@ -2,8 +2,8 @@
 """What ``zmqdispatch serve-grpc`` costs per token: a ``grpc.aio`` client (this
 process) streams ``Generate`` through the servicer (a subprocess, over the
 embedded mock engine, its own subprocess) and the servicer process's CPU
-(utime + stime of its own threads, ``/proc``; the mock engine is a child and
-is not counted) is divided by the tokens delivered.
+(its threads' on-CPU time from the scheduler, ``/proc/PID/task/*/schedstat``;
+the mock engine is a child and is not counted) is divided by the tokens delivered.
 
     .venv/bin/python benchmarks/grpc_servicer.py --streams 100 --tokens 200 --repeats 3
 
@@ -42,13 +42,18 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pbg
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (own threads only)
+    """On-CPU time of *pid*'s threads (``/proc/PID/task/*/schedstat``, ns; its
+    children are not counted). A thread that ends inside a window takes its
+    time with it: the servicers' threads live as long as they do."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return total / 1e9
 
 
 async def one_run(address: str, streams: int, tokens: int, run: int) -> tuple[int, int]:

@@ -14,9 +14,13 @@ Reported per concurrency C:
 - client CPU us/tick: this process's CPU time per delivered request-tick.
 
 This is the transport issue's quick figure; the full side-by-side benchmark
-(raw loop, vLLM's client, paced latency) lives beside it.
+(raw loop, vLLM's client, paced latency) lives beside it. ``--runtime tokenspeed``
+or ``sglang`` runs the same against that runtime's mock (its wire, its output
+batches; the mock's own per-step cost differs between runtimes, so compare the
+client CPU per tick rather than the rates).
 
     python benchmarks/quick_ticks.py --concurrency 1 100 1000 --seconds 5
+    python benchmarks/quick_ticks.py --runtime sglang --concurrency 100 --seconds 5
 """
 
 from __future__ import annotations
@@ -28,11 +32,19 @@ import time
 
 import trio
 
-from zmqdispatch import ClientConfig, connect
+from zmqdispatch import ClientConfig, EngineRequest, connect
+from zmqdispatch.wire import sglang as sg
+from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import vllm as wire
 
 
-def request(rid: str, max_tokens: int) -> wire.EngineCoreRequest:
+def request(rid: str, max_tokens: int, runtime: str = "vllm") -> EngineRequest:
+    if runtime == "sglang":
+        return sg.TokenizedGenerateReqInput(rid=rid, input_ids=(1, 2, 3, 4), stream=True,
+                                            sampling_params=sg.SGLangSamplingParams(max_new_tokens=max_tokens))
+    if runtime == "tokenspeed":
+        return ts.TokenizedGenerateReqInput(rid=rid, input_ids=(1, 2, 3, 4), stream=True,
+                                            sampling_params=ts.TokenSpeedSamplingParams(max_new_tokens=max_tokens))
     return wire.EngineCoreRequest(
         request_id=rid,
         prompt_token_ids=(1, 2, 3, 4),
@@ -41,10 +53,10 @@ def request(rid: str, max_tokens: int) -> wire.EngineCoreRequest:
     )
 
 
-async def run_one(concurrency: int, seconds: float, step_ms: float) -> dict:
+async def run_one(concurrency: int, seconds: float, step_ms: float, runtime: str = "vllm") -> dict:
     launch = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}",
-              "--step-interval-ms", str(step_ms), "--max-model-len", str(10**8)]
-    async with connect(launch=launch, config=ClientConfig(handshake_timeout=60)) as client:
+              "--step-interval-ms", str(step_ms), "--max-model-len", str(10**8), "--runtime", runtime]
+    async with connect(launch=launch, runtime=runtime, config=ClientConfig(handshake_timeout=60)) as client:
         ticks = 0
         deliveries = 0
         tokens = 0
@@ -52,7 +64,7 @@ async def run_one(concurrency: int, seconds: float, step_ms: float) -> dict:
 
         async def consume(i: int) -> None:
             nonlocal ticks, deliveries, tokens
-            async with client.generate(request(f"b{i}", 10**7)) as stream:
+            async with client.generate(request(f"b{i}", 10**7, runtime)) as stream:
                 async for d in stream:
                     if measuring:
                         ticks += d.ticks
@@ -73,6 +85,7 @@ async def run_one(concurrency: int, seconds: float, step_ms: float) -> dict:
             nursery.cancel_scope.cancel()
     wall = t1 - t0
     return {
+        "runtime": runtime,
         "concurrency": concurrency,
         "request_ticks_per_s": ticks / wall,
         "tokens_per_s": tokens / wall,
@@ -87,9 +100,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 100, 1000])
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--step-interval-ms", type=float, default=0.0)
+    ap.add_argument("--runtime", choices=("vllm", "tokenspeed", "sglang"), default="vllm",
+                    help="which mock engine (and wire) to run against")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = ap.parse_args()
-    rows = [trio.run(run_one, c, args.seconds, args.step_interval_ms) for c in args.concurrency]
+    rows = [trio.run(run_one, c, args.seconds, args.step_interval_ms, args.runtime) for c in args.concurrency]
     if args.json:
         for r in rows:
             print(json.dumps(r))

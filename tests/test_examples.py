@@ -55,6 +55,22 @@ def _asyncio_server(out: str) -> None:
     assert lines[-1] == "aborted after the client left: 1"
 
 
+def _multimodal(out: str) -> None:
+    first, second = out.splitlines()
+    assert re.fullmatch(r"img-1: sent pixels, tokens \[(\d+, ){7}\d+\]", first), out
+    # the second time the engine's receiver cache supplies the image: the same tokens
+    assert second == first.replace("img-1: sent pixels", "img-2: sent a cache reference"), out
+
+
+def _tokenspeed_multimodal(out: str) -> None:
+    padded, tokens, refused = out.splitlines()
+    ids = [int(x) for x in padded.removeprefix("img-1: input_ids [").rstrip("]").split(", ")]
+    pad = ids[2]
+    assert ids == [1, 4, pad, pad, pad, pad, 5, 6] and 1_000_000 <= pad < 2**31, out  # the image's pad value
+    assert re.fullmatch(r"img-1: tokens \[(\d+, ){7}\d+\]", tokens), out
+    assert refused == "vid-1: refused, field mm_inputs.items[0].modality", out
+
+
 #: What each example must print (a regex over its stdout, or a check), beyond exiting 0.
 EXPECTED = {
     "asyncio_generate.py": r"complete \[(\d+, ){7}\d+\]\ntokens per task: \[4, 4, 4, 4\]",
@@ -65,7 +81,13 @@ EXPECTED = {
     "many_engines.py": r"request 'pinned' pinned to rank 1: 8 tokens\nrequests per engine: \{0: \d, 1: \d\}\n"
                        r"states: \[\(0, 'draining'\), \(1, 'up'\)\]",
     "tokenspeed.py": r"(?m)(^[01] \[(\d+, ){7}\d+\] length\n){2}",
+    "sglang.py": r"engine: SGLang 0\.5\.21\+zmqdispatch\.mock\n"
+                 r"(?:[01] \[(\d+, ){7}\d+\] length 2 candidates per token\n){2}"
+                 r"named stop: \[(\d+, ){0,3}(?P<stop>\d+)\] stop matched_token_id (?P=stop)\n"
+                 r"flush_cache: ''\nstart_profile: ''\nstop_profile: ''",
     "control_plane.py": _control_plane,
+    "multimodal.py": _multimodal,
+    "tokenspeed_multimodal.py": _tokenspeed_multimodal,
     "metrics_and_logging.py": _metrics_and_logging,
 }
 
@@ -109,6 +131,8 @@ SNIPPET_STDOUT = {
 #: What a snippet containing the key must print (a regex over its stdout).
 SNIPPET_PRINTS = {
     '"serve-grpc"': r"(?m)\A([01] \[(\d+, ){7}\d+\] length\n){2}\Z",  # the README's gRPC client: n = 2 completes
+    # the README's asyncio client: the finish reason by name on the last delta, not FinishReason's number
+    "aio.connect(launch=MOCK)": r"\A(\[\d+(, \d+)*\] \n)+\[\d+(, \d+)*\] length\n\Z",
 }
 
 

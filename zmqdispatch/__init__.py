@@ -43,6 +43,7 @@ from .errors import (
     EngineHandshakeError,
     EngineHandshakeTimeout,
     EngineRequestError,
+    MultiModalCacheMissError,
     InvalidAddressError,
     LocalProtocolError,
     NoEngineAvailableError,
@@ -74,6 +75,12 @@ from .streams import (
     SampleStream,
     StreamGroup,
 )
+from .translate.sglang import ResponseBuilder as SGLangResponseBuilder
+from .translate.sglang import Translation as SGLangTranslation
+from .translate.sglang import TranslationConfig as SGLangTranslationConfig
+from .translate.sglang import pb as sglang_pb
+from .translate.sglang import translate_parallel as translate_sglang_samples
+from .translate.sglang import translate_request as translate_sglang_request
 from .translate.tokenspeed import ResponseBuilder as TokenSpeedResponseBuilder
 from .translate.tokenspeed import Translation as TokenSpeedTranslation
 from .translate.tokenspeed import TranslationConfig as TokenSpeedTranslationConfig
@@ -117,6 +124,7 @@ __all__ = [  # every public name, written out (static tools read this list)
     "EngineLoad",
     "EngineRequest",
     "EngineRequestError",
+    "MultiModalCacheMissError",
     "EngineSession",
     "EngineState",
     "EngineStats",
@@ -136,6 +144,9 @@ __all__ = [  # every public name, written out (static tools read this list)
     "RequestStreamClosed",
     "Runtime",
     "RuntimeMismatchError",
+    "SGLangResponseBuilder",
+    "SGLangTranslation",
+    "SGLangTranslationConfig",
     "SampleStream",
     "SlowConsumerError",
     "StreamGroup",
@@ -153,7 +164,10 @@ __all__ = [  # every public name, written out (static tools read this list)
     "connect",
     "connect_engines",  # alias of connect, this release only
     "errors",
+    "sglang_pb",
     "tokenspeed_pb",
+    "translate_sglang_request",
+    "translate_sglang_samples",
     "translate_tokenspeed_request",
     "translate_tokenspeed_samples",
     "translate_vllm_request",

@@ -13,15 +13,16 @@ import sys
 from collections.abc import Callable
 
 __all__ = [
-    "DEBUG_ENV", "EXIT_ENGINE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REJECTED", "EXIT_STDOUT_CLOSED",
-    "EXIT_TERMINATED", "INTERNAL_EPILOG", "U32", "Formatter", "bounded_int", "fail", "int_list", "launch_command",
-    "seconds", "token_id_list",
+    "DEBUG_ENV", "EXIT_ENGINE", "EXIT_ENGINE_LOST", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REJECTED",
+    "EXIT_STDOUT_CLOSED", "EXIT_TERMINATED", "INTERNAL_EPILOG", "LAUNCH_PLACEHOLDER", "U32", "Formatter",
+    "bounded_int", "fail", "int_list", "launch_command", "seconds", "token_id_list",
 ]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_REJECTED = 2
 EXIT_ENGINE = 3
+EXIT_ENGINE_LOST = 4  # serve-grpc: every engine died while serving and none came back
 EXIT_INTERRUPTED = 130
 EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `... | head -1` writers
 EXIT_TERMINATED = 143
@@ -107,12 +108,22 @@ def seconds(*, zero_ok: bool) -> Callable[[str], float]:
 U32 = 2**32 - 1
 
 
+#: What ``--launch`` must contain: replaced by the address the engine dials.
+LAUNCH_PLACEHOLDER = "{handshake_address}"
+
+
 def launch_command(text: str) -> str:
-    """An argparse type: an engine command line, non-empty and parseable by shell quoting rules."""
+    """An argparse type: an engine command line, non-empty, parseable by shell
+    quoting rules, with :data:`LAUNCH_PLACEHOLDER` in it (without it the engine
+    cannot learn where to dial, and the handshake could only time out)."""
     try:
         argv = shlex.split(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not a command line: {exc}") from None
     if not argv:
         raise argparse.ArgumentTypeError("the engine command is empty")
+    if not any(LAUNCH_PLACEHOLDER in a for a in argv):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} lacks the {LAUNCH_PLACEHOLDER} placeholder: put it where the engine takes the address "
+            f"to dial (e.g. --handshake-address {LAUNCH_PLACEHOLDER}); it is replaced by the bound address")
     return text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from typing import Any
@@ -15,6 +16,7 @@ from . import __version__, _cli_logging
 from ._cli_common import (
     DEBUG_ENV,
     EXIT_ENGINE,
+    EXIT_ENGINE_LOST,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_REJECTED,
@@ -31,7 +33,7 @@ from .addresses import check_address
 from .config import ClientConfig
 from .errors import AddressBindError, EngineError, InvalidAddressError, ZmqDispatchError
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
-from .mock.server import RUNTIMES
+from .mock.server import MOCK_VOCAB_SIZE, RUNTIMES
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -42,6 +44,11 @@ EPILOG = (
     + INTERNAL_EPILOG +
     "  2    a malformed flag value, address or --model-path / --tokenizer-path; the grpc extra missing\n"
     "  3    the engine failed to come up (handshake, launch), or an address cannot be bound\n"
+    "  4    the engines were lost while serving: every engine dead (a launched one exited, one gone past\n"
+    "       --silence-timeout, ...) and none up again within --engine-lost-grace; meanwhile health was\n"
+    "       NOT_SERVING and Generate failed UNAVAILABLE naming the engine and why; then drained, a launched\n"
+    "       engine stopped, one line on stderr. Nothing restarts an engine here: let a supervisor restart\n"
+    "       serve-grpc (with --launch, or the embedded mock, that restarts the engine too)\n"
     "  130  interrupted (SIGINT) before serving; 143 terminated (SIGTERM) before serving\n"
     "when serving, one line goes to stdout: grpc://HOST:PORT (the bound address; nothing else is\n"
     "written there)"
@@ -52,11 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``zmqdispatch serve-grpc`` options."""
     p.add_argument("--runtime", choices=RUNTIMES, default="vllm",
                    help="the engines' runtime: vllm serves vllm.grpc.engine.VllmEngine, tokenspeed "
-                        "tokenspeed.grpc.scheduler.TokenSpeedScheduler")
+                        "tokenspeed.grpc.scheduler.TokenSpeedScheduler, sglang sglang.grpc.scheduler.SglangScheduler")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=bounded_int(0, 65535), default=50051, help="port to listen on (0: a free one)")
     p.add_argument("--drain-grace", type=seconds(zero_ok=True), default=30.0, metavar="S",
                    help="on SIGTERM: seconds in-flight streams get to finish before they are aborted")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="the event loop (default uvloop, in the grpc extra; asyncio's own without it installed)")
     p.add_argument("--log-level", choices=_cli_logging.LOG_LEVELS, default="warning",
                    help="log records of the zmqdispatch loggers on stderr")
     model = p.add_argument_group("model (the engines do not report it)")
@@ -79,13 +88,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("--handshake-address", metavar="ADDR", action="append",
                      help="bind here and wait for engines to dial in (repeat it for independent engines)")
     how.add_argument("--launch", type=launch_command, metavar="CMD",
-                     help="engine command; {handshake_address} is substituted; stopped on exit")
+                     help="engine command; it must contain {handshake_address}, replaced by the address the "
+                          "engine dials; stopped on exit")
     eng.add_argument("--data-parallel-size", type=bounded_int(1, 65536), metavar="N", default=1,
                      help="engines to wait for (the embedded mock runs N ranks)")
     eng.add_argument("--handshake-timeout", type=seconds(zero_ok=False), default=DEFAULT_HANDSHAKE_TIMEOUT,
                      metavar="S", help="seconds for the engines' startup handshake")
     eng.add_argument("--silence-timeout", type=seconds(zero_ok=False), default=DEFAULT_SILENCE_TIMEOUT,
                      metavar="S", help="seconds without output while requests run before an engine is dead")
+    eng.add_argument("--engine-lost-grace", type=seconds(zero_ok=True), default=5.0, metavar="S",
+                     help="once every engine is dead: seconds to wait for one to be up again (an engine started "
+                          "elsewhere that dials --handshake-address again; a launched one is not restarted) "
+                          "before draining and exiting 4; inf: wait for ever")
     eng.add_argument("--allow-unknown-engine-version", action="store_true",
                      help="connect to an engine version the wire codec was not checked against")
     eng.add_argument("--mock-max-model-len", type=bounded_int(1, 2**31 - 1), default=4096,
@@ -98,7 +112,7 @@ def _mock_argv(args: argparse.Namespace, eos: tuple[int, ...], vocab_size: int |
     argv = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}",
             "--runtime", args.runtime, "--max-model-len", str(args.mock_max_model_len),
             "--step-interval-ms", repr(args.mock_step_interval_ms)]
-    if args.runtime == "tokenspeed" and eos:
+    if args.runtime != "vllm" and eos:
         argv += ["--eos-token-id", ",".join(map(str, eos))]
     if vocab_size is not None:
         argv += ["--vocab-size", str(vocab_size)]
@@ -149,6 +163,8 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         found = read_model_dir(args.tokenizer_path)
     if args.vocab_size is not None:
         found["vocab_size"] = args.vocab_size
+    elif "vocab_size" not in found and not args.handshake_address and args.launch is None:
+        found["vocab_size"] = MOCK_VOCAB_SIZE  # the embedded mock's, which an out-of-range id kills
     if args.eos_token_id is not None:
         found["eos_token_ids"] = tuple(args.eos_token_id)
     bundle = build_bundle(args.tokenizer_path) if args.tokenizer_path is not None else None
@@ -157,7 +173,8 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     translate = TranslateOptions(runtime=args.runtime, eos_token_ids=facts.eos_token_ids, vocab_size=facts.vocab_size,
                                  max_logprobs=args.max_logprobs, tokenizer=_load_tokenizer(args.tokenizer_path))
     options = ServeOptions(host=args.host, port=args.port, facts=facts, translate=translate, bundle=bundle,
-                           drain_grace=args.drain_grace, version=f"zmqdispatch {__version__}")
+                           drain_grace=args.drain_grace, version=f"zmqdispatch {__version__}",
+                           engine_lost_grace=None if math.isinf(args.engine_lost_grace) else args.engine_lost_grace)
     config = ClientConfig(handshake_timeout=args.handshake_timeout, silence_timeout=args.silence_timeout,
                           vocab_size=facts.vocab_size, max_logprobs=args.max_logprobs,
                           allow_unknown_engine_version=args.allow_unknown_engine_version)
@@ -195,12 +212,22 @@ def run(args: argparse.Namespace) -> int:
         options, connect = _options(args)
     except ValueError as exc:  # InvalidAddressError is one
         return fail(EXIT_REJECTED, str(exc))
-    from .servicer.server import serve
+    from .servicer.server import EnginesLost, serve
 
+    run_loop: Any = asyncio.run
+    if args.loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            pass  # asyncio's own loop
+        else:
+            run_loop = uvloop.run
     try:
-        how = asyncio.run(serve(options, connect, ready=_ready))
+        how = run_loop(serve(options, connect, ready=_ready))
     except KeyboardInterrupt:
         return fail(EXIT_INTERRUPTED, "interrupted")
+    except EnginesLost as exc:
+        return fail(EXIT_ENGINE_LOST, f"the engines are lost: {exc}")
     except AddressBindError as exc:
         return fail(EXIT_ENGINE, f"cannot bind: {exc}")
     except (EngineError, ZmqDispatchError) as exc:

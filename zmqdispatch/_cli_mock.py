@@ -12,7 +12,7 @@ from ._cli_common import DEBUG_ENV, EXIT_REJECTED, U32, bounded_int, fail, secon
 from .addresses import check_address
 from .errors import InvalidAddressError
 from .mock.server import MockEngineConfig, main_sync as run_mock_main, parse_fault
-from .mock.server import RUNTIMES
+from .mock.server import MOCK_VOCAB_SIZE, RUNTIMES
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -42,6 +42,16 @@ def _finite_ms(text: str) -> float:
 _finite_ms.__name__ = "float"
 
 
+def _cache_gb(text: str) -> float:
+    value = seconds(zero_ok=True)(text)  # a finite number >= 0
+    if not value <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at most {1 << 20} GB")
+    return value
+
+
+_cache_gb.__name__ = "float"
+
+
 def _fault(text: str) -> str:
     try:
         parse_fault(text)
@@ -69,17 +79,21 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
                     help="the first rank this process runs (its ranks: S..S+L-1); default 0")
     m.add_argument("--max-model-len", type=bounded_int(1, 2**31 - 1), default=4096,
                    help="context length; a prompt this long or longer kills the vLLM mock, as vLLM 0.32")
-    m.add_argument("--vocab-size", type=bounded_int(1, U32 + 1), default=32_000,
+    m.add_argument("--vocab-size", type=bounded_int(1, U32 + 1), default=MOCK_VOCAB_SIZE,
                    help="a token id at or past it kills the engine, as the real one")
     m.add_argument("--step-interval-ms", type=_finite_ms, default=1.0, help="0 = as fast as possible")
     m.add_argument("--tokens-per-step", type=bounded_int(1, 2**16), default=1, help="tokens per request per step")
+    m.add_argument("--mm-processor-cache-gb", type=_cache_gb, default=4.0, metavar="GB",
+                   help="vLLM: the multimodal receiver cache's capacity (vLLM's option; 0 = no cache)")
     m.add_argument("--headless", action="store_true", help="announce local=false, headless=true")
     m.add_argument("--eos-token-id", type=token_id_list, default=[], metavar="IDS",
-                   help="tokenspeed: the model's EOS ids (TokenSpeed stops at EOS by itself)")
+                   help="tokenspeed, sglang: the model's EOS ids (the scheduler stops at EOS by itself)")
     m.add_argument("--stream-interval", type=bounded_int(1, 2**31 - 1), default=1,
-                   help="tokenspeed: --stream-interval")
+                   help="tokenspeed, sglang: --stream-interval")
     m.add_argument("--no-output-logprobs", action="store_true",
                    help="tokenspeed: run without --enable-output-logprobs (logprob requests are aborted)")
+    m.add_argument("--multimodal-encoder-dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="tokenspeed: the encoder dtype the ready response announces (default: none, a text model)")
     m.add_argument(
         "--fault",
         type=_fault,
@@ -110,12 +124,14 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         step_interval=args.step_interval_ms / 1000.0,
         tokens_per_step=args.tokens_per_step,
+        mm_cache_gb=args.mm_processor_cache_gb,
         faults=faults,
         headless=args.headless,
         runtime=args.runtime,
         eos_token_ids=tuple(args.eos_token_id),
         stream_interval=args.stream_interval,
         enable_output_logprobs=not args.no_output_logprobs,
+        multimodal_encoder_dtype=args.multimodal_encoder_dtype,
     )
     try:
         return run_mock_main(cfg)

@@ -26,7 +26,7 @@ from pathlib import Path
 import trio
 
 from .errors import EngineHandshakeError
-from .protocol.versions import EngineVersion, check_engine_version
+from .protocol.versions import EngineVersion, check_engine_layouts, check_engine_version
 from .wire import vllm_handshake as wire
 
 __all__ = ["check_version", "format_launch", "launch", "leaves", "terminate", "unwrap"]
@@ -229,13 +229,25 @@ def check_version(ready: wire.EngineCoreReadyResponse, *, allow_unknown: bool) -
     engine version the codec was not checked against, or warn when the caller
     allowed it (``ClientConfig.allow_unknown_engine_version``).
 
+    An SGLang scheduler's announced layouts are checked too
+    (:func:`~zmqdispatch.protocol.versions.check_engine_layouts`), whatever
+    *allow_unknown* says: a differing layout would misread every request.
+
     Raises:
-        EngineHandshakeError: the version is unknown and not allowed (the message names it).
+        EngineHandshakeError: the version is unknown and not allowed, or an SGLang
+            layout differs (the message names the version or the first differing field).
     """
     try:
         version = check_engine_version(ready.vllm_version, allow_unknown=allow_unknown)
     except ValueError as exc:
         raise EngineHandshakeError(str(exc)) from None
+    try:
+        checked = check_engine_layouts(ready)
+    except ValueError as exc:
+        raise EngineHandshakeError(f"refusing the {version.engine_name} scheduler: {exc}") from None
+    if version.runtime == "sglang" and not checked:
+        _log.warning("the %s scheduler announced no positional_layouts: only its version is checked",
+                     version.engine_name)
     if not version.known:
         _log.warning("%s; connecting anyway (allow_unknown_engine_version)", version.unknown_message())
     return version

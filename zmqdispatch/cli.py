@@ -1,7 +1,8 @@
 """Command line: ``zmqdispatch generate``, ``mock-engine``, ``serve-grpc`` and ``bench``.
 
 ``generate`` reads a proto-JSON ``vllm.grpc.engine.GenerateRequest`` (with
-``--runtime tokenspeed``: a ``tokenspeed.grpc.scheduler.GenerateRequest``), or
+``--runtime tokenspeed``: a ``tokenspeed.grpc.scheduler.GenerateRequest``; with
+``--runtime sglang``: a ``sglang.grpc.scheduler.GenerateRequest``), or
 builds one from flags, dispatches it to one engine and prints every
 ``GenerateResponse`` of that proto package as one proto-JSON line on stdout
 (nothing else goes to stdout, so it pipes into ``jq``). The engine must be of
@@ -95,9 +96,10 @@ from .errors import (
     ZmqDispatchError,
 )
 from .limits import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_SILENCE_TIMEOUT
-from .mock.server import RUNTIMES
+from .mock.server import MOCK_VOCAB_SIZE, RUNTIMES
 from .protocol.deadlines import Deadlines
 from .protocol.runtime import Runtime
+from .translate import sglang as sg_translate
 from .translate import tokenspeed as ts_translate
 from .translate import vllm as vllm_translate
 from .bench import harness as bench_harness
@@ -158,7 +160,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "generate",
         help="dispatch one GenerateRequest and print GenerateResponse proto-JSON lines",
         description="Dispatch one GenerateRequest (vllm.grpc.engine, or tokenspeed.grpc.scheduler with "
-                    "--runtime tokenspeed) to an engine over ZMQ. Engine: --handshake-address (started "
+                    "--runtime tokenspeed, or sglang.grpc.scheduler with --runtime sglang) to an engine over ZMQ. "
+                    "Engine: --handshake-address (started "
                     "elsewhere), --launch CMD, or neither: the embedded mock engine.",
         formatter_class=Formatter,
         epilog=_GENERATE_EPILOG,
@@ -182,7 +185,8 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--seed", type=int, help="seed (TokenSpeed: sampling_seed); unset: random")
     src.add_argument("--stop-token-ids", type=int_list, metavar="IDS", help="e.g. 7,9")
     src.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop string (repeatable; needs --tokenizer)")
+                     help="stop string (repeatable). vllm, tokenspeed: needs --tokenizer (matched on the client, "
+                          "the engine then aborted); sglang: sent to the scheduler, which matches it itself")
     src.add_argument("-n", "--n", type=int, dest="n", help="samples per request (fan-out); unset: 1")
     src.add_argument("--no-stream", action="store_true", help="print only the complete")
     eng = g.add_argument_group("engine")
@@ -190,7 +194,8 @@ def _build_parser() -> argparse.ArgumentParser:
     how.add_argument("--handshake-address", metavar="ADDR",
                      help="bind here (tcp://HOST:PORT or ipc://PATH) and wait for an engine to dial in")
     how.add_argument("--launch", type=launch_command, metavar="CMD",
-                     help="engine command; {handshake_address} is substituted")
+                     help="engine command; it must contain {handshake_address}, replaced by the address the "
+                          "engine dials")
     eng.add_argument("--data-parallel-size", type=bounded_int(1, 65536), metavar="N",
                      help="serve N engines (the ranks of one `vllm serve --data-parallel-size N`, or N that "
                           "dial in): wait for N on the handshake, place each request on one; the embedded "
@@ -200,13 +205,15 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--silence-timeout", type=seconds(zero_ok=False), default=DEFAULT_SILENCE_TIMEOUT,
                      metavar="S", help="seconds without output while requests run before the engine is dead")
     eng.add_argument("--vocab-size", type=bounded_int(1, U32 + 1),
-                     help="reject token ids >= this (protects the engine); unset: not checked")
+                     help="reject token ids >= this (protects the engine); unset: not checked, except "
+                          f"against the embedded mock's {MOCK_VOCAB_SIZE}")
     eng.add_argument("--eos-token-id", type=token_id_list, default=[], metavar="IDS",
                      help="the model's EOS id(s), primary first (vLLM: the engine has no tokenizer; "
-                          "tokenspeed: given to the embedded mock, which stops on them)")
+                          "tokenspeed, sglang: given to the embedded mock, which stops on them)")
     eng.add_argument("--max-logprobs", type=bounded_int(0, U32), default=20, help="the engine's max_logprobs")
     eng.add_argument("--tokenizer", metavar="FILE",
-                     help="tokenizer.json of the model (needs the 'tokenizers' extra); enables stop strings")
+                     help="tokenizer.json of the model (needs the 'tokenizers' extra); enables stop strings "
+                          "(vllm, tokenspeed; refused with sglang, whose scheduler has its own)")
     eng.add_argument("--mock-max-model-len", type=bounded_int(1, 2**31 - 1), default=4096,
                      help="embedded mock only: its max_model_len")
     eng.add_argument("--allow-unknown-engine-version", action="store_true",
@@ -222,16 +229,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser(
         "mock-engine",
-        help="run the wire-faithful mock engine (vLLM EngineCore or TokenSpeed scheduler)",
-        description="A mock vLLM EngineCore (or, with --runtime tokenspeed, TokenSpeed scheduler) that dials "
+        help="run the wire-faithful mock engine (vLLM EngineCore, TokenSpeed or SGLang scheduler)",
+        description="A mock vLLM EngineCore (or, with --runtime tokenspeed / sglang, a TokenSpeed scheduler or an "
+                    "SGLang scheduler behind the SGLang plugin) that dials "
                     "ADDR like the real one (see zmqdispatch.mock.server), and serves one client after another.",
         formatter_class=Formatter,
         epilog=_cli_mock.EPILOG,
     )
     _cli_mock.add_arguments(m)
-    sg = sub.add_parser("serve-grpc", help="serve the engines as a gRPC VllmEngine / TokenSpeedScheduler worker",
-                        description="A gRPC servicer (vllm.grpc.engine.VllmEngine, or with --runtime tokenspeed "
-                                    "tokenspeed.grpc.scheduler.TokenSpeedScheduler) backed by zmqdispatch over ZMQ, "
+    sg = sub.add_parser("serve-grpc",
+                        help="serve the engines as a gRPC VllmEngine / TokenSpeedScheduler / SglangScheduler worker",
+                        description="A gRPC servicer (vllm.grpc.engine.VllmEngine; with --runtime tokenspeed "
+                                    "tokenspeed.grpc.scheduler.TokenSpeedScheduler; with --runtime sglang "
+                                    "sglang.grpc.scheduler.SglangScheduler) backed by zmqdispatch over ZMQ, "
                                     "for gateways such as smg (docs/grpc.md; needs the 'grpc' extra).",
                         formatter_class=Formatter, epilog=_cli_grpc.EPILOG)
     _cli_grpc.add_arguments(sg)
@@ -338,13 +348,16 @@ def _request_from_flags(args: argparse.Namespace, pb: ModuleType) -> Message:
         RequestRejected: a value outside its proto field's range (naming the
             field and the range), or ``--n`` < 1.
     """
-    tokenspeed = args.runtime == "tokenspeed"
+    tokenspeed = args.runtime != "vllm"
     sp = pb.SamplingParams()
     for attr, flag, vllm_field, ts_field in _SAMPLING_FLAGS:
         value = getattr(args, attr)
         if value is None:
             continue
         field = ts_field if tokenspeed else vllm_field
+        if args.runtime == "sglang" and attr == "seed":
+            raise RequestRejected("--seed: sglang.grpc.scheduler.SamplingParams has no seed field",
+                                  field="sampling_params.sampling_seed")
         if attr == "n" and value < 1:
             raise RequestRejected(f"--n must be >= 1, got {value}", field="sampling_params.n")
         setattr(sp, field, _in_range(pb.SamplingParams, field, value, flag, f"sampling_params.{field}"))
@@ -365,15 +378,16 @@ def _request_from_flags(args: argparse.Namespace, pb: ModuleType) -> Message:
 
 
 def _pb(args: argparse.Namespace) -> ModuleType:
-    """The generated proto module of the runtime (``vllm_engine_pb2`` or TokenSpeed's)."""
+    """The generated proto module of the runtime (``vllm_engine_pb2``, TokenSpeed's or SGLang's)."""
     # smg_grpc_proto ships no annotations (no py.typed, no stubs): its modules are Any to mypy.
-    return cast(ModuleType, ts_translate.pb if args.runtime == "tokenspeed" else vllm_translate.pb)
+    pb = {"tokenspeed": ts_translate.pb, "sglang": sg_translate.pb}.get(args.runtime, vllm_translate.pb)
+    return cast(ModuleType, pb)
 
 
 def _mock_launch_argv(args: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "zmqdispatch", "mock-engine", "--handshake-address", "{handshake_address}",
             "--runtime", args.runtime, "--max-model-len", str(args.mock_max_model_len)]
-    if args.runtime == "tokenspeed" and args.eos_token_id:
+    if args.runtime != "vllm" and args.eos_token_id:
         argv += ["--eos-token-id", ",".join(map(str, args.eos_token_id))]
     if args.vocab_size is not None:
         argv += ["--vocab-size", str(args.vocab_size)]
@@ -525,8 +539,12 @@ def _load_tokenizer(path: str | None) -> object | None:
 
 def _translate(
     args: argparse.Namespace, req: object, max_model_len: int, engine_index: int | None
-) -> list[vllm_translate.Translation] | list[ts_translate.Translation]:
+) -> (list[vllm_translate.Translation] | list[ts_translate.Translation]
+      | list[sg_translate.Translation]):
     """``translate_parallel`` of the runtime's translation module."""
+    if args.runtime == "sglang":
+        return sg_translate.translate_parallel(req, sg_translate.TranslationConfig(
+            max_model_len=max_model_len, vocab_size=args.vocab_size, engine_index=engine_index))
     if args.runtime == "tokenspeed":
         config = ts_translate.TranslationConfig(
             tokenizer=args.tokenizer_obj,
@@ -601,7 +619,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     descriptors (a hard limit below :data:`MIN_OPEN_FILES`, or later) exits 1
     too, with a line that says so.
     """
-    args = _build_parser().parse_args(argv)  # argparse: exit 2 on a bad flag
+    parser = _build_parser()
+    args = parser.parse_args(argv)  # argparse: exit 2 on a bad flag
+    if args.command == "bench" and (conflict := bench_harness.flag_conflict(args)):
+        parser.error(f"bench: {conflict}")  # flags that cannot go together: exit 2 as well
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -643,6 +664,11 @@ def _run(args: argparse.Namespace) -> int:
         _deadlines(args)
         if args.max_concurrency is not None and args.requests is None:
             raise RequestRejected("--max-concurrency: only with --requests", field="max_concurrency")
+        if args.tokenizer is not None and args.runtime == "sglang":
+            raise RequestRejected("--tokenizer: not used with --runtime sglang (the SGLang scheduler matches stop "
+                                  "strings with its own tokenizer; --stop is sent to it as is)", field="tokenizer")
+        if args.vocab_size is None and args.handshake_address is None and args.launch is None:
+            args.vocab_size = MOCK_VOCAB_SIZE  # the embedded mock's, which an out-of-range id kills
         if args.requests is not None:
             args.tokenizer_obj = _load_tokenizer(args.tokenizer)
             return trio.run(_generate, args, _load_requests(args), _dispatch_requests)

@@ -418,7 +418,7 @@ class EngineClient:
         if pin is not None:
             if type(pin) is not int or pin not in self._members:
                 raise RequestRejected(
-                    f"data_parallel_rank {pin!r} is not an engine of this client; valid ranks: "
+                    f"data_parallel_rank: {pin!r} is not an engine of this client; valid ranks: "
                     f"{format_ranks(self._members)}",
                     request_id=request_id,
                     field="data_parallel_rank",
@@ -702,6 +702,20 @@ class EngineClient:
                                                 delay_iterations=delay_iterations, max_iterations=max_iterations,
                                                 profiler_kwargs=profiler_kwargs, timeout=timeout)
 
+    async def flush_cache(self, timeout_s: float = 0.0, *, engine_index: int | None = None,
+                          timeout: float | None = None) -> str | None:
+        """:meth:`Engine.flush_cache` (SGLang) on one engine."""
+        return await self.engine(engine_index).flush_cache(timeout_s, timeout=timeout)
+
+    async def start_profile(self, *, engine_index: int | None = None, timeout: float | None = None,
+                            **options: Any) -> str | None:
+        """:meth:`Engine.start_profile` (SGLang) on one engine."""
+        return await self.engine(engine_index).start_profile(timeout=timeout, **options)
+
+    async def stop_profile(self, *, engine_index: int | None = None, timeout: float | None = None) -> str | None:
+        """:meth:`Engine.stop_profile` (SGLang) on one engine."""
+        return await self.engine(engine_index).stop_profile(timeout=timeout)
+
     # ------------------------------------------------------------------ engine events (shell)
 
     def _engine_joined(self, member: _Member) -> None:
@@ -745,7 +759,7 @@ class EngineClient:
             def on_load(stats: Any, timestamp: float | None) -> None:
                 placement.report_load(index, route.incarnation, num_running=stats.num_running,
                                       num_waiting=stats.num_waiting,
-                                      kv_cache_usage=stats.kv_usage if stats.kv_total_pages > 0 else None)
+                                      kv_cache_usage=stats.kv_usage)  # reported only with a KV total
 
         protocol.on_retired = on_retired
         protocol.on_load = on_load

@@ -93,9 +93,10 @@ class Engine:
 
     @property
     def load(self) -> Any:
-        """TokenSpeed: the newest load snapshot piggybacked on its outputs
-        (``wire.tokenspeed.LoadSnapshot``: running, waiting, KV pages), ``None``
-        before the first one and always on vLLM. Stale while the engine is idle
+        """TokenSpeed / SGLang: the newest load snapshot piggybacked on its outputs
+        (``wire.tokenspeed.LoadSnapshot``: running, waiting, KV pages;
+        ``wire.sglang.SGLangLoad``: the same in KV tokens), ``None`` before the
+        first one and always on vLLM. Stale while the engine is idle
         (it sends nothing then)."""
         return self._protocol.load
 
@@ -155,7 +156,7 @@ class Engine:
         pin = getattr(request, "data_parallel_rank", None)
         if pin is not None and (type(pin) is not int or pin != self.engine_index):
             raise RequestRejected(
-                f"data_parallel_rank {pin!r} is not an engine of this client; valid ranks: "
+                f"data_parallel_rank: {pin!r} is not an engine of this client; valid ranks: "
                 f"{format_ranks([self.engine_index])}",
                 request_id=self.runtime.request_id(request),
                 field="data_parallel_rank",
@@ -338,3 +339,19 @@ class Engine:
                             profiler_kwargs=profiler_kwargs),
             timeout,
         )
+
+    # SGLang schedulers' CONTROL calls (UnsupportedByRuntimeError on other engines).
+
+    async def flush_cache(self, timeout_s: float = 0.0, *, timeout: float | None = None) -> str | None:
+        """SGLang: drop the prefix cache (waiting up to *timeout_s* for running
+        requests); the scheduler's message, ``UtilityCallError`` when it could not."""
+        return await self._control(control.flush_cache(self.engine_version, timeout_s), timeout)
+
+    async def start_profile(self, *, timeout: float | None = None, **options: Any) -> str | None:
+        """SGLang: start the profiler (*options*: those of
+        :func:`zmqdispatch.protocol.control.start_profile`); the scheduler's message."""
+        return await self._control(control.start_profile(self.engine_version, **options), timeout)
+
+    async def stop_profile(self, *, timeout: float | None = None) -> str | None:
+        """SGLang: stop the profiler and write its trace; the scheduler's message."""
+        return await self._control(control.stop_profile(self.engine_version), timeout)

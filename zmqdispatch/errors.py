@@ -31,6 +31,7 @@ __all__ = [
     "RequestError",
     "RequestRejected",
     "ContextLengthError",
+    "MultiModalCacheMissError",
     "DuplicateRequestIdError",
     "RuntimeMismatchError",
     "EngineRequestError",
@@ -95,6 +96,8 @@ class ContextLengthError(RequestRejected):
         max_tokens: requested (or defaulted) completion tokens, ``None`` when the
             prompt alone is too long.
         max_model_len: the engine's context length from its ready response.
+        field: what the message names first: ``prompt_token_ids`` (the wire's
+            ``input_ids`` on TokenSpeed / SGLang) or the max-tokens field.
     """
 
     def __init__(
@@ -105,8 +108,9 @@ class ContextLengthError(RequestRejected):
         prompt_len: int,
         max_tokens: int | None,
         max_model_len: int,
+        field: str = "prompt_token_ids",
     ) -> None:
-        super().__init__(message, request_id=request_id, field="prompt_token_ids")
+        super().__init__(message, request_id=request_id, field=field)
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
@@ -128,7 +132,7 @@ class RuntimeMismatchError(RequestRejected):
     differ and either engine drops (TokenSpeed) or dies on (vLLM) the other's bytes.
 
     Attributes:
-        runtime: the connection's runtime (``"vllm"`` / ``"tokenspeed"``).
+        runtime: the connection's runtime (``"vllm"`` / ``"tokenspeed"`` / ``"sglang"``).
     """
 
     def __init__(self, message: str, *, request_id: str = "", runtime: str) -> None:
@@ -156,6 +160,20 @@ class EngineRequestError(RequestError):
         self.retryable = retryable
 
 
+class MultiModalCacheMissError(EngineRequestError):
+    """The engine's receiver cache no longer holds items this request sent with
+    data nil (vLLM ``FinishReason.ERROR`` with ``mm_cache_miss_hashes``); retryable.
+
+    Drop ``mm_hashes`` from the client's mirror
+    (``zmqdispatch.translate.multimodal.ReceiverCacheMirror.invalidate``) and send the
+    request again: the items then go with their data. ``code`` is ``"mm_cache_miss"``.
+    """
+
+    def __init__(self, message: str, *, request_id: str = "", mm_hashes: tuple[str, ...]) -> None:
+        super().__init__(message, request_id=request_id, code="mm_cache_miss", retryable=True)
+        self.mm_hashes = mm_hashes
+
+
 class EngineAbortedRequest(EngineRequestError):
     """The engine ended the request with a terminal ``"abort"`` it was not asked for.
 
@@ -169,11 +187,15 @@ class EngineAbortedRequest(EngineRequestError):
     Attributes:
         tokens_before_abort: tokens the engine generated before the abort
             (0 for an admission refusal).
+        status: the HTTP status the engine gave the abort (SGLang: 400 for a
+            request it refused, 503 for one it could not serve now), or None.
     """
 
-    def __init__(self, message: str, *, request_id: str = "", tokens_before_abort: int) -> None:
+    def __init__(self, message: str, *, request_id: str = "", tokens_before_abort: int,
+                 status: int | None = None) -> None:
         super().__init__(message, request_id=request_id, code="abort", retryable=False)
         self.tokens_before_abort = tokens_before_abort
+        self.status = status
 
 
 class SlowConsumerError(RequestError):
@@ -356,7 +378,7 @@ class UnsupportedByRuntimeError(ZmqDispatchError):
     ADD and ABORT.
 
     Attributes:
-        runtime: the connection's runtime (``"vllm"`` / ``"tokenspeed"``).
+        runtime: the connection's runtime (``"vllm"`` / ``"tokenspeed"`` / ``"sglang"``).
     """
 
     def __init__(self, message: str, *, runtime: str) -> None:

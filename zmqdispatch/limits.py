@@ -26,6 +26,17 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 #: cannot make us allocate; this bound only rejects absurd shapes early.
 MAX_TENSOR_ELEMENTS = 64 * 1024 * 1024
 
+#: Default limit on the multimodal tensor bytes of one request
+#: (``TranslationConfig.max_mm_bytes``), refused before anything is encoded: a
+#: preprocessed image is a few MB (Qwen2-VL at 1344x1344: 2,304 patches x 1,176
+#: float32 = 10.8 MB), so 128 MiB leaves room for many images and short videos
+#: while bounding the memory one request pins until it is sent.
+DEFAULT_MAX_MM_BYTES = 128 * 1024 * 1024
+
+#: Default limit on multimodal items (placeholders) of one request
+#: (``TranslationConfig.max_mm_items``).
+DEFAULT_MAX_MM_ITEMS = 64
+
 #: Largest row count (product of the dimensions before the first 0) of a
 #: zero-size tensor. It holds no bytes, so nothing else bounds the empty lists
 #: a decode would build; vLLM sends ``[0, K+1]`` or ``[0, 0]`` for "no rows".

@@ -99,7 +99,7 @@ class EngineStats:
 
     Attributes:
         engine_index: the engine's DP rank (``data_parallel_rank``).
-        runtime: ``"vllm"`` or ``"tokenspeed"``.
+        runtime: ``"vllm"``, ``"tokenspeed"`` or ``"sglang"``.
         state: ``"ready"``; ``"draining"`` (a death sign seen, the engine's
             last outputs being routed; new requests refused); ``"dead"``
             (including a closed client).

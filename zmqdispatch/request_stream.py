@@ -22,6 +22,7 @@ from .protocol.deadlines import Deadlines
 from .protocol.engine import Outgoing, SendState
 from .protocol.mailbox import Mailbox, OutputDelta
 from .protocol.runtime import Runtime
+from .wire import sglang as _sg
 from .wire import tokenspeed as _ts
 from .wire import vllm as _vllm
 
@@ -31,7 +32,7 @@ __all__ = ["EngineRequest", "RequestStream", "StreamHost", "unsent_error"]
 #: ``EngineCoreRequest`` or TokenSpeed's ``TokenizedGenerateReqInput``
 #: (``zmqdispatch.translate_vllm_request`` / ``translate_tokenspeed_request``
 #: build them from the gateway's proto).
-EngineRequest: TypeAlias = _vllm.EngineCoreRequest | _ts.TokenizedGenerateReqInput
+EngineRequest: TypeAlias = _vllm.EngineCoreRequest | _ts.TokenizedGenerateReqInput | _sg.TokenizedGenerateReqInput
 
 
 class StreamHost(Protocol):

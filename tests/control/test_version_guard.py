@@ -41,6 +41,10 @@ GUARD = 30
         ("tokenspeed-0.1.1+zmqdispatch.mock", "tokenspeed", (0, 1, 1), True),
         ("tokenspeed-0.1.2", "tokenspeed", (0, 1, 2), False),
         ("tokenspeed-", "tokenspeed", None, False),
+        ("sglang-0.5.21", "sglang", (0, 5, 21), True),
+        ("sglang-0.5.21+zmqdispatch.mock", "sglang", (0, 5, 21), True),
+        ("sglang-0.5.22", "sglang", (0, 5, 22), False),
+        ("sglang-0.0.0.dev0", "sglang", (0, 0, 0), False),
     ],
 )
 def test_parse(raw, runtime, release, known):

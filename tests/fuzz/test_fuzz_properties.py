@@ -50,11 +50,14 @@ from zmqdispatch.errors import (
     ZmqDispatchError,
 )
 from zmqdispatch.mock.core import FatalEngineError, MockEngineCore
-from zmqdispatch.protocol import checks_tokenspeed
+from zmqdispatch.protocol import checks_sglang, checks_tokenspeed
 from zmqdispatch.protocol.checks import check_request
 from zmqdispatch.protocol.engine import EngineProtocol, LinkState
 from zmqdispatch.translate.vllm import TranslationConfig, pb, translate_parallel
 from zmqdispatch.wire import tensors
+from zmqdispatch.wire import sglang as sg
+from zmqdispatch.wire import sglang_engine as sg_engine
+from zmqdispatch.wire import sglang_outputs as sg_out
 from zmqdispatch.wire import tokenspeed as ts
 from zmqdispatch.wire import tokenspeed_engine as ts_engine
 from zmqdispatch.wire import vllm as wire
@@ -71,6 +74,7 @@ FUZZ = settings(
 VECTORS = pathlib.Path(__file__).resolve().parents[1] / "wire" / "vectors"
 _VLLM = json.loads((VECTORS / "vllm_0.32.0.json").read_text())
 _TS = json.loads((VECTORS / "tokenspeed_0.1.1.json").read_text())
+_SG = json.loads((VECTORS / "sglang_0.5.21.json").read_text())["cases"]
 
 
 def _golden(cases: list[dict], *prefixes: str, type_byte: bool = False) -> list[list[bytes]]:
@@ -89,6 +93,8 @@ VLLM_OUTPUTS = _golden(_VLLM, "outputs_", "utility_result_")
 VLLM_REQUESTS = _golden(_VLLM, "request_", "utility_call_", type_byte=True)
 TS_OUTPUTS = _golden(_TS, "outputs_")
 TS_INPUTS = _golden(_TS, "add_", "abort_", type_byte=True)
+SG_OUTPUTS = _golden(_SG, "output_", "control_reply_")
+SG_INPUTS = _golden(_SG, "add_", "abort_", "control_flush", "control_start", "control_stop")
 CONTROL = {
     handshake.decode_handshake_status: _golden(_VLLM + _TS, "handshake_hello", "handshake_ready_headless"),
     handshake.decode_ready_response: _golden(_VLLM, "handshake_ready_response"),
@@ -395,6 +401,47 @@ def test_mutated_tokenspeed_inputs_raise_only_remote_errors(frames: list[bytes])
     except LocalProtocolError:
         return
     assert ts.encode_add(ts.finalize_add(ts_engine.decode_add(enc))) == enc
+
+
+# --------------------------------------------------------------------------- SGLang
+
+
+@FUZZ
+@given(mutated(SG_OUTPUTS))
+def test_mutated_sglang_outputs_raise_only_remote_errors_and_both_decoders_agree(frames: list[bytes]) -> None:
+    ok, b = only(RemoteProtocolError, sg.decode_outputs, frames)
+    ref_ok, ref = only(RemoteProtocolError, sg_out._decode_outputs_msgpack, frames)
+    assert ok == ref_ok
+    if not ok or isinstance(b, sg.ControlReply):
+        assert b == ref
+        return
+    # compared as bytes, so NaN logprob values compare equal
+    assert sg_engine.encode_outputs(b) == sg_engine.encode_outputs(ref) and b.wire_elements == ref.wire_elements
+    m = len(b.rids)
+    assert all(len(c) == m for c in (b.output_ids, b.finished_reasons, b.finished_messages, b.finished_matched,
+                                     b.prompt_tokens, b.completion_tokens, b.cached_tokens, b.logprob_vals,
+                                     b.logprob_ids))
+    if b.load is not None:
+        _ = b.load.kv_usage
+    canon = sg_engine.encode_outputs(b)
+    assert sg_engine.encode_outputs(sg.decode_outputs(canon)) == canon
+
+
+@FUZZ
+@given(mutated(SG_INPUTS, payload_index=1))
+def test_mutated_sglang_inputs_raise_only_remote_errors(frames: list[bytes]) -> None:
+    ok, value = only(RemoteProtocolError, sg_engine.decode_input, frames)
+    if not ok or value[0] is not sg.RequestType.ADD:
+        return
+    req = value[1]
+    for vocab in (None, 1000):
+        bad = checks_sglang.admission_error(req, vocab_size=vocab)
+        assert bad is None or (type(bad[0]) is str and type(bad[1]) is str)
+    try:
+        enc = sg.encode_add(req)
+    except LocalProtocolError:
+        return
+    assert sg.encode_add(sg_engine.decode_add(enc)) == enc
 
 
 # --------------------------------------------------------------------------- translation

@@ -239,5 +239,5 @@ def test_a_pin_to_a_rank_that_is_not_there_is_rejected_exit_2():
     assert p.returncode == 2, p.stderr
     assert sorted(by_request(p.stdout)) == ["ok"]
     assert [line for line in p.stderr.splitlines() if "rejected:" in line] == [
-        'zmqdispatch: error: request_id "pinned" rejected: RequestRejected: data_parallel_rank 5 is not an engine '
+        'zmqdispatch: error: request_id "pinned" rejected: RequestRejected: data_parallel_rank: 5 is not an engine '
         'of this client; valid ranks: 0-1']

@@ -69,6 +69,7 @@ REJECTED = [
     ((*PROMPT, "--launch", ""), ("--launch", "empty")),
     ((*PROMPT, "--launch", "   "), ("--launch", "empty")),
     ((*PROMPT, "--launch", "echo 'unterminated"), ("--launch", "No closing quotation")),
+    ((*PROMPT, "--launch", "zmqdispatch mock-engine"), ("argument --launch", "lacks the {handshake_address}")),
     ((*PROMPT, "--max-tokens", "abc"), ("--max-tokens", "invalid int value")),
     (("--request", "/dev/null", "--max-tokens", "5", "--n", "2"), ("--max-tokens, --n", "--request message")),
     (("--request", "/dev/null", "--request-id", "abc"), ("--request-id", "--request message")),
@@ -109,6 +110,8 @@ FLAG_ERRORS = [
     ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--max-model-len", "0"),
     ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--vocab-size", "-5"),
     ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--tokens-per-step", "0"),
+    ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--mm-processor-cache-gb", "-1"),
+    ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--mm-processor-cache-gb", "nan"),
     ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--stream-interval", "0"),
     ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--eos-token-id", "1,-1"),
     ("mock-engine", "--handshake-address", "tcp://127.0.0.1:5555", "--step-interval-ms", "1e308"),
@@ -119,6 +122,23 @@ FLAG_ERRORS = [
 @pytest.mark.parametrize("argv", FLAG_ERRORS, ids=[" ".join(a[-2:]) for a in FLAG_ERRORS])
 def test_a_flag_value_out_of_range_is_an_argparse_error_naming_the_flag(argv):
     assert_one_line(run_cli(*argv), 2, f"argument {argv[-2]}")
+
+
+def test_a_launch_command_without_the_placeholder_is_refused_up_front_by_every_subcommand_that_launches():
+    # without {handshake_address} the engine cannot know where to dial: refused before anything starts
+    launch = f"{sys.executable} -m zmqdispatch mock-engine --handshake-address tcp://127.0.0.1:5555"
+    for argv in (("generate", *PROMPT, "--launch", launch), ("serve-grpc", "--port", "0", "--launch", launch)):
+        assert_one_line(run_cli(*argv, timeout=30), 2, "argument --launch", "lacks the {handshake_address} placeholder")
+    launching = [a.option_strings for p in _subparsers(cli._build_parser()).values() for a in p._actions
+                 if "--launch" in a.option_strings]
+    assert len(launching) == 2  # generate and serve-grpc: both checked above
+
+
+def _subparsers(parser):
+    import argparse
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
 
 
 @pytest.mark.parametrize("argv", [
@@ -214,3 +234,10 @@ def test_a_stdout_that_refuses_writes_is_exit_141_naming_the_cause(many, tmp_pat
     assert p.returncode == 141, p.stderr
     assert "Traceback" not in p.stderr and "internal error" not in p.stderr
     assert "cannot write to stdout" in p.stderr and "No space left" in p.stderr
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "tokenspeed", "sglang"])
+def test_a_token_id_past_the_embedded_mocks_vocabulary_is_refused_before_any_engine_starts(runtime):
+    p = run_cli("generate", "--runtime", runtime, "--prompt-token-ids", "1,40000", "--max-tokens", "3")
+    assert_one_line(p, 2, "request rejected", "40000")
+    assert "32000" in p.stderr or "31999" in p.stderr, p.stderr  # the limit is named

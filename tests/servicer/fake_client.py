@@ -14,9 +14,15 @@ from zmqdispatch.wire.vllm import FinishReason
 
 
 class _Status:
-    def __init__(self, i: int, state: EngineState) -> None:
+    def __init__(self, i: int, state: EngineState, reason: str | None = None) -> None:
         self.engine_index = i
         self.state = state
+        self.reason = reason
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.death: Exception | None = None
 
 
 class FakeAioClient:
@@ -29,9 +35,22 @@ class FakeAioClient:
         self.ended: dict[str, str] = {}  # request_id -> "finished" | "left early"
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self.dead = asyncio.Event()
+        self.up = asyncio.Event()  # set by a test when the engine is up again (wait_for_engines)
+        self.the_engine = _Engine()
+        self.waiting_dead = asyncio.Event()  # set once wait_dead is awaited
+        self.waiting_up = asyncio.Event()  # set once wait_for_engines is awaited
 
     def states(self) -> list[_Status]:
-        return [_Status(0, EngineState.UP if self.is_alive else EngineState.DEAD)]
+        if self.is_alive:
+            return [_Status(0, EngineState.UP)]
+        return [_Status(0, EngineState.DEAD, "process_exit")]
+
+    def engine(self, engine_index: int | None = None) -> _Engine:
+        return self.the_engine
+
+    async def wait_for_engines(self, n: int) -> None:
+        self.waiting_up.set()
+        await self.up.wait()
 
     def stats(self) -> dict[int, Any]:
         return {}
@@ -40,6 +59,7 @@ class FakeAioClient:
         return []
 
     async def wait_dead(self) -> None:
+        self.waiting_dead.set()
         await self.dead.wait()
 
     async def call_all(self, method: str, *args: Any, **kwargs: Any) -> dict[int, Any]:

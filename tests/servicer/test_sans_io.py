@@ -17,6 +17,7 @@ from zmqdispatch.errors import (
     ContextLengthError,
     DeadlineExceeded,
     DuplicateRequestIdError,
+    EngineAbortedRequest,
     EngineDeadError,
     EngineRequestError,
     NoEngineAvailableError,
@@ -49,6 +50,9 @@ tpb = ts_translate.pb
     (NoEngineAvailableError("none up", states={0: "dead: sentinel"}), "UNAVAILABLE"),
     (DeadlineExceeded("late", limit="total", seconds=1.0, elapsed=1.2), "DEADLINE_EXCEEDED"),
     (EngineRequestError("engine error"), "INTERNAL"),
+    (EngineAbortedRequest("refused", tokens_before_abort=0, status=400), "INVALID_ARGUMENT"),
+    (EngineAbortedRequest("busy", tokens_before_abort=0, status=503), "UNAVAILABLE"),
+    (EngineAbortedRequest("aborted", tokens_before_abort=3), "INTERNAL"),
     (UnsupportedByRuntimeError("no utility calls", runtime="tokenspeed"), "UNIMPLEMENTED"),
     (RuntimeError("bug"), "INTERNAL"),
 ])
@@ -56,6 +60,34 @@ def test_each_error_has_its_status(exc, code):
     got, message = status_of(exc)
     assert got == code
     assert message
+
+
+@pytest.mark.parametrize(("exc", "said"), [
+    # the engine requests' prompt fields become the GenerateRequest's
+    (RequestRejected("prompt_token_ids: token id 99999 is not below vocab_size=32000", field="prompt_token_ids"),
+     "tokenized.input_ids: token id 99999 is not below vocab_size=32000"),
+    (RequestRejected("input_ids: token id 99999 is not below vocab_size=32000", field="input_ids"),
+     "tokenized.input_ids: token id 99999 is not below vocab_size=32000"),
+    (ContextLengthError("prompt_token_ids: prompt of 64 tokens does not fit max_model_len=64", prompt_len=64,
+                        max_tokens=None, max_model_len=64), "tokenized.input_ids: prompt of 64 tokens does not fit"),
+    # a message without its field gets it first; one that starts with it is kept
+    (RequestRejected("no such engine", field="data_parallel_rank"), "data_parallel_rank: no such engine"),
+    (RequestRejected("sampling_params.top_p: must be in (0, 1]", field="sampling_params.top_p"),
+     "sampling_params.top_p: must be in (0, 1]"),
+])
+def test_a_refusal_names_the_generate_request_field_first(exc, said):
+    code, message = status_of(exc)
+    assert code == "INVALID_ARGUMENT" and message.startswith(said), message
+
+
+def test_a_dead_engine_s_status_names_the_engine_and_why():
+    code, message = status_of(EngineDeadError("engine process 7 exited with code 1", engine_index=0,
+                                              reason="process_exit"))
+    assert (code, message) == ("UNAVAILABLE", "EngineDeadError: engine 0 is dead (process_exit): engine process 7 "
+                                              "exited with code 1")
+    said = "engine 1 is dead (silence); request 'r' not sent"
+    assert status_of(EngineDeadError(said, engine_index=1, reason="silence")) == ("UNAVAILABLE",
+                                                                                  f"EngineDeadError: {said}")
 
 
 def test_a_refused_request_names_its_field_even_when_the_message_does_not():
@@ -92,7 +124,36 @@ def test_model_info_of_both_packages():
     assert v.max_context_length == 2**32 - 1 and v.max_req_input_len == 2**31 - 1  # saturated, not wrapped
     assert list(v.eos_token_ids) == [2] and v.bos_token_id == 1 and v.is_generation
     t = facts.tokenspeed_model_info(f, 4096)
-    assert (t.max_context_length, t.max_req_input_len, t.vocab_size) == (4096, 4096, 1024)
+    assert (t.max_context_length, t.max_req_input_len, t.vocab_size) == (4096, 4094, 1024)
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "tokenspeed", "sglang"])
+def test_max_req_input_len_is_the_longest_prompt_the_translation_takes(runtime):
+    from smg_grpc_proto.generated import sglang_scheduler_pb2, tokenspeed_scheduler_pb2, vllm_engine_pb2
+
+    from zmqdispatch.errors import ContextLengthError
+    from zmqdispatch.protocol import checks
+    from zmqdispatch.servicer.generate import TranslateOptions, translate
+
+    pb = {"vllm": vllm_engine_pb2, "tokenspeed": tokenspeed_scheduler_pb2, "sglang": sglang_scheduler_pb2}[runtime]
+    info = {"vllm": facts.vllm_model_info, "tokenspeed": facts.tokenspeed_model_info,
+            "sglang": facts.sglang_model_info}[runtime]
+    longest = info(facts.ModelFacts(served_model_name="m"), 64).max_req_input_len
+
+    def request(n):
+        return pb.GenerateRequest(request_id="r", tokenized=pb.TokenizedInput(input_ids=[1] * n),
+                                  sampling_params=pb.SamplingParams())
+
+    def admitted(n):  # the servicer's translation, then the client's check before sending
+        (t,) = translate(request(n), TranslateOptions(runtime=runtime), max_model_len=64, engine_index=None)
+        if runtime == "vllm":
+            checks.check_request(t.request, max_model_len=64)
+        elif runtime == "tokenspeed":
+            checks.check_tokenspeed_request(t.request, max_model_len=64)
+
+    admitted(longest)
+    with pytest.raises(ContextLengthError):
+        admitted(longest + 1)
 
 
 def _load(i, running=None, waiting=None, kv=None):

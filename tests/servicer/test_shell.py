@@ -145,7 +145,38 @@ def test_health_turns_false_once_the_engine_is_dead():
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             watch.cancel()
             got = await stub.HealthCheck(pb.HealthCheckRequest())
-            assert not got.healthy and "dead" in got.message
+            assert not got.healthy and "engine 0: dead (process_exit)" in got.message
+
+    _run(main())
+
+
+def test_the_engine_watch_returns_once_every_engine_stayed_dead_for_the_grace():
+    from zmqdispatch.errors import EngineDeadError
+    from zmqdispatch.servicer.server import engines_lost, watch_engines
+
+    async def main():
+        client = FakeAioClient()
+        client.the_engine.death = EngineDeadError("engine process 7 exited with code 1", engine_index=0,
+                                                  reason="process_exit")
+        watch = asyncio.create_task(watch_engines(client, 0.5))
+
+        def die():
+            client.is_alive = False
+            client.up.clear()
+            client.dead.set()
+
+        die()
+        await client.waiting_up.wait()  # dead: the grace runs
+        assert engines_lost(client) == "engine 0: process_exit: engine process 7 exited with code 1"
+        client.waiting_up.clear()
+        client.waiting_dead.clear()
+        client.dead.clear()
+        client.is_alive = True
+        client.up.set()  # back within the grace (restarted elsewhere): watched again, not lost
+        await asyncio.wait_for(client.waiting_dead.wait(), 30)
+        assert engines_lost(client) is None and not watch.done()
+        die()  # dead again, for good this time
+        assert await asyncio.wait_for(watch, 30) == "engine 0: process_exit: engine process 7 exited with code 1"
 
     _run(main())
 

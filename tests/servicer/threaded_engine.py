@@ -22,9 +22,13 @@ from zmqdispatch.wire import vllm as wire
 
 
 class ThreadedFakeEngine:
-    def __init__(self, handshake_address: str, *, max_model_len: int = 4096, finish_at: int = 16) -> None:
+    def __init__(self, handshake_address: str, *, max_model_len: int = 4096, finish_at: int = 16,
+                 dtype: str = "float32") -> None:
         self.handshake_address = handshake_address
         self.max_model_len = max_model_len
+        self.dtype = dtype
+        #: ``(mm_features, frames)`` of each ADD, in order (features None for a text request)
+        self.mm_features: queue.Queue[Any] = queue.Queue()
         self.finish_at = finish_at
         self.adds: queue.Queue[str] = queue.Queue()
         self.aborts: queue.Queue[str] = queue.Queue()
@@ -51,7 +55,8 @@ class ThreadedFakeEngine:
         self._token = trio.lowlevel.current_trio_token()
         with trio.CancelScope() as self._cancel:
             self._started.set()
-            engine = self._engine = FakeEngine(self.handshake_address, ready=ready_response(self.max_model_len))
+            engine = self._engine = FakeEngine(self.handshake_address, ready=ready_response(self.max_model_len,
+                                                                                        dtype=self.dtype))
             await engine.run_handshake()
             try:
                 while True:
@@ -59,6 +64,7 @@ class ThreadedFakeEngine:
                     if msg.kind == wire.RequestType.ADD:
                         req: Any = msg.value
                         self.adds.put(req.request_id)
+                        self.mm_features.put((req.mm_features, msg.frames))
                         n = req.sampling_params.max_tokens
                         if n <= self.finish_at:
                             await engine.send_tokens(req.request_id, [7] * n, wire.FinishReason.LENGTH)

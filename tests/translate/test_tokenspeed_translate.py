@@ -98,7 +98,7 @@ def test_set_fields_travel():
     assert sp.stop_token_ids == (7, 9) and sp.ignore_eos and sp.no_stop_trim
     assert sp.logit_bias == {"5": 2.0, "6": -100.0} and sp.regex == "[ab]+" and sp.seed == 2**64 - 1
     assert sp.min_p == pytest.approx(0.05) and sp.repetition_penalty == pytest.approx(1.1)
-    assert t.request.return_logprob and t.request.stream and t.request.data_parallel_rank is None
+    assert t.request.return_logprob and t.request.stream and t.request.data_parallel_rank == 0  # the pin
     assert t.no_stop_trim and t.return_logprob and not t.top_logprobs
     payload = ts.encode_add(t.request)[0]
     assert ts_engine.decode_add([payload]).sampling_params.derive() == sp.derive()
@@ -119,7 +119,7 @@ def test_each_constraint_maps_to_its_wire_field(which, wire_name):
 @pytest.mark.parametrize(
     ("kw", "field", "match"),
     [
-        (dict(mm_inputs=pb.MultimodalInputs()), "mm_inputs", "multimodal"),
+        (dict(mm_inputs=pb.MultimodalInputs()), "mm_inputs.items", "must not be empty"),
         (dict(kv_bootstrap_info=pb.KvBootstrapInfo(bootstrap_host="h")), "kv_bootstrap_info", "PD"),
         (dict(encode_bootstrap_info=pb.EncodeBootstrapInfo()), "encode_bootstrap_info", "EPD"),
         (dict(data_parallel_rank=1), "data_parallel_rank", "names no connected engine"),

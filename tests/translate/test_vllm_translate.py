@@ -236,8 +236,8 @@ def test_request_level_rejections():
     for setter, field in [
         (lambda r: setattr(r.kv_transfer_params, "remote_host", "h"), "kv_transfer_params"),
         (lambda r: setattr(r, "kv_transfer_params_json", "{}"), "kv_transfer_params"),
-        (lambda r: setattr(r.mm_inputs, "im_token_id", 5), "mm_inputs"),
-        (lambda r: r.extra_mm_inputs.add(), "mm_inputs"),
+        (lambda r: setattr(r.mm_inputs, "im_token_id", 5), "mm_inputs.mm_placeholders"),
+        (lambda r: r.extra_mm_inputs.add(), "extra_mm_inputs[0].mm_placeholders"),
         (lambda r: r.media_refs.items.add(url="x"), "media_refs"),
     ]:
         r = req()

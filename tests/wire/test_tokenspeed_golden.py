@@ -280,8 +280,8 @@ def test_ready_response_vector() -> None:
     assert ts.is_tokenspeed(resp)
     assert resp.block_size == view["prefix_granularity"] == 64
     for key, value in view.items():
-        if key not in ("prefix_granularity", "multimodal_encoder_dtype"):
+        if key != "prefix_granularity":
             assert getattr(resp, key) == value, key
-    encoded = ts_engine.encode_ready_response(resp, multimodal_encoder_dtype=view["multimodal_encoder_dtype"])
+    encoded = ts_engine.encode_ready_response(resp)
     assert [encoded] == golden(case)
     assert not ts.is_tokenspeed(attrs.evolve(resp, vllm_version="0.32.0"))

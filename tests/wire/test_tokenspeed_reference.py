@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from typing import Any
@@ -68,7 +69,9 @@ pytestmark = requires_tokenspeed
 
 SETTINGS = settings(deadline=None, max_examples=60, database=None, suppress_health_check=[HealthCheck.too_slow])
 
-_HELPER = textwrap.dedent(
+#: The helper's first part, shared with ``test_tokenspeed_mm_reference.py``: the import stub
+#: for third-party modules that are not installed (torch is stubbed after it, here).
+IMPORT_STUBS = textwrap.dedent(
     r'''
     import importlib.abc, importlib.machinery, json, sys, types
 
@@ -117,6 +120,11 @@ _HELPER = textwrap.dedent(
             pass
 
     sys.meta_path.append(_Fallback())
+    '''
+)
+
+_HELPER = IMPORT_STUBS + textwrap.dedent(
+    r'''
     torch = _StubModule("torch")
     torch.__path__ = []
     class Tensor: pass
@@ -244,22 +252,37 @@ class TokenSpeedHelper:
     def __init__(self, python: str, path: str, script: str) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # stderr (import-time prints, a crash's traceback) goes to a file, shown if it dies
+        self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [python, "-c", script],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             text=True,
             env=env,
         )
 
+    def _died(self, job: dict[str, Any]) -> RuntimeError:
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-3000:]
+        return RuntimeError(f"TokenSpeed helper exited (code {self.proc.poll()}) on {job['op']}; check {ENV_PATH}; "
+                            f"its stderr ends:\n{tail}")
+
     def call(self, **job: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died(job) from None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"TokenSpeed helper exited (code {self.proc.poll()}); check {ENV_PATH}")
+            raise self._died(job)
         reply = json.loads(line)
         if "helper_error" in reply:
             raise RuntimeError(f"TokenSpeed helper failed on {job['op']}: {reply['helper_error']}")
@@ -267,12 +290,16 @@ class TokenSpeedHelper:
 
     def close(self) -> None:
         if self.proc.stdin:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.stderr.close()
 
 
 @pytest.fixture(scope="module")
@@ -543,7 +570,9 @@ def test_ready_response_and_init(tokenspeed: TokenSpeedHelper) -> None:
     payload = unhex(tokenspeed.call(op="ready_response", fields=fields)["frames"])[0]
     resp = ts.decode_ready_response(payload)
     assert ts.is_tokenspeed(resp) and resp.block_size == 32
-    assert ts_engine.encode_ready_response(resp, multimodal_encoder_dtype="bfloat16") == payload
+    # TokenSpeed's own struct writes the encoder dtype; the client reads it
+    assert resp.multimodal_encoder_dtype == "bfloat16" and resp.dtype == "float16"
+    assert ts_engine.encode_ready_response(resp) == payload
     init = handshake.encode_init(["ipc:///tmp/x-in.sock"], ["ipc:///tmp/x-out.sock"])
     reply = tokenspeed.call(op="init_decode", payload=init.hex())
     assert reply == {"error": None, "inputs": ["ipc:///tmp/x-in.sock"], "outputs": ["ipc:///tmp/x-out.sock"]}

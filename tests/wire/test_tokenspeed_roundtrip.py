@@ -763,6 +763,14 @@ def test_ready_response_encoder_checks() -> None:
     assert list(raw)[:3] == ["max_model_len", "num_gpu_blocks", "prefix_granularity"] and len(raw) == 19
     assert "block_size" not in raw and raw["prefix_granularity"] == 16
     assert ts.decode_ready_response(ts_engine.encode_ready_response(resp)) == resp
+    assert raw["multimodal_encoder_dtype"] is None and resp.multimodal_encoder_dtype is None
+    mm = attrs.evolve(resp, multimodal_encoder_dtype="bfloat16")
+    assert msgpack.unpackb(ts_engine.encode_ready_response(mm))["multimodal_encoder_dtype"] == "bfloat16"
+    assert ts.decode_ready_response(ts_engine.encode_ready_response(mm)) == mm
+    # vLLM's encoder writes no such key (vLLM sends none), unless it is set
+    assert "multimodal_encoder_dtype" not in msgpack.unpackb(handshake.encode_ready_response(resp))
+    with pytest.raises(RemoteProtocolError, match="multimodal_encoder_dtype"):
+        ts.decode_ready_response(msgpack.packb({"max_model_len": 8, "multimodal_encoder_dtype": 16}))
     for bad in (attrs.evolve(resp, dtype="float8"), attrs.evolve(resp, max_num_batched_tokens=-1)):
         with pytest.raises(LocalProtocolError):
             ts_engine.encode_ready_response(bad)

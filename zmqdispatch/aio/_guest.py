@@ -14,7 +14,15 @@ resolve asyncio futures the same way. Nothing here needs a lock.
 The run starts with the loop's first user (:func:`acquire`) and stops when its
 last one is gone (:func:`release`), so it has finished before the loop closes
 as long as every user leaves (``async with`` does, also when ``asyncio.run``
-cancels the tasks it left pending). ``host_uses_signal_set_wakeup_fd=True``:
+cancels the tasks it left pending). A loop closed from outside with a client
+still open (``loop.close()`` with the block pending) cannot run trio any more:
+once nothing can tick the run any more, the run's launched engines get
+SIGTERM on their process groups (:meth:`TrioGuest.host_closed`) and the run
+is left as it is. That moment is seen one of two ways: trio's I/O thread
+hands back an event and the closed loop refuses it, or the loop's close drops
+the run's pending tick, which frees trio's guest state (watched with
+:func:`weakref.finalize`; it lives exactly as long as a pending tick or the
+I/O thread's wait holds it). ``host_uses_signal_set_wakeup_fd=True``:
 asyncio owns the signal wakeup fd; Ctrl-C is asyncio's (``asyncio.run``
 cancels its main task), not trio's.
 """
@@ -23,6 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -73,6 +84,10 @@ class TrioGuest:
         self.started: asyncio.Future[None] = loop.create_future()
         #: the run's outcome once it ended
         self.done: asyncio.Future[outcome.Outcome[None]] = loop.create_future()
+        #: process group ids of the engines the run's clients launched (:meth:`host_closed`)
+        self.engine_groups: set[int] = set()
+        self._host_gone = False
+        self._watched = False
 
     def __repr__(self) -> str:
         return f"<TrioGuest users={self.users} stopping={self.stopping} running={self.nursery is not None}>"
@@ -106,8 +121,8 @@ class TrioGuest:
         try:
             trio.lowlevel.start_guest_run(
                 main,
-                run_sync_soon_threadsafe=self.loop.call_soon_threadsafe,
-                run_sync_soon_not_threadsafe=self.loop.call_soon,
+                run_sync_soon_threadsafe=self._to_host,
+                run_sync_soon_not_threadsafe=self._tick_soon,
                 done_callback=on_done,
                 host_uses_signal_set_wakeup_fd=True,
             )
@@ -116,6 +131,52 @@ class TrioGuest:
                 "zmqdispatch.aio runs trio as a guest of the asyncio loop, but a trio run already owns this "
                 f"thread ({exc}); from trio code use zmqdispatch.connect directly"
             ) from None
+
+    def _tick_soon(self, fn: Callable[[], object]) -> None:
+        # trio's first call passes its guest state's bound ``guest_tick``
+        if not self._watched:
+            self._watched = True
+            state = getattr(fn, "__self__", None)
+            if state is not None:
+                weakref.finalize(state, self._state_freed).atexit = False
+        self.loop.call_soon(fn)
+
+    def _state_freed(self) -> None:
+        # trio's guest state is gone: if the run had not ended, its last tick
+        # was dropped by a closed loop and nothing will run trio again
+        if not self.done.done():
+            self.host_closed()
+
+    def _to_host(self, fn: Callable[[], object]) -> None:
+        # trio's I/O thread hands its events to the loop; a loop closed under
+        # the run refuses them (RuntimeError), and nothing will run trio again
+        try:
+            self.loop.call_soon_threadsafe(fn)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
+            # *fn* holds the run: kept, so that it is not finalized in this thread
+            _abandoned.append(fn)
+            self.host_closed()
+
+    def host_closed(self) -> None:
+        """The loop closed with the run unfinished (a client left open): stop the
+        launched engines (SIGTERM to each process group), once; called from
+        trio's I/O thread or from the loop's ``close``. The clients' other state is left to the process's end."""
+        if self._host_gone:
+            return
+        self._host_gone = True
+        groups = sorted(self.engine_groups)
+        _log.warning("the event loop closed with zmqdispatch.aio clients still open; stopping the engines they "
+                     "launched (process groups %s)", groups)
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            # the engine (its group's leader) is this process's child, and the
+            # run that would have waited for it is gone: reaped here
+            threading.Thread(target=_reap, args=(pgid,), name=f"zmqdispatch-reap-{pgid}", daemon=True).start()
 
     def stop(self) -> None:
         """End the run: its nursery is cancelled (what still runs in it ends)."""
@@ -173,6 +234,16 @@ async def _job(fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], fut: as
         if not ended.done():
             ended.set_result(None)
 
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped already, or not a child
+        pass
+
+
+#: callbacks of runs whose loop closed under them (:meth:`TrioGuest._to_host`)
+_abandoned: list[Callable[[], object]] = []
 
 _guests: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TrioGuest] = weakref.WeakKeyDictionary()
 

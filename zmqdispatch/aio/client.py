@@ -63,6 +63,11 @@ class AsyncEngineClient:
         return self.trio.max_model_len
 
     @property
+    def ready(self) -> Any:
+        """The ready response of the lowest-index engine (:attr:`zmqdispatch.EngineClient.ready`)."""
+        return self.trio.ready
+
+    @property
     def runtime(self) -> Runtime:
         """The engines' dialect."""
         return self.trio.runtime
@@ -291,6 +296,25 @@ class AsyncEngineClient:
                          delay_iterations=delay_iterations, max_iterations=max_iterations,
                          profiler_kwargs=profiler_kwargs, engine_index=engine_index, timeout=timeout)
 
+    async def flush_cache(self, timeout_s: float = 0.0, *, engine_index: int | None = None,
+                          timeout: float | None = None) -> str | None:
+        """:meth:`zmqdispatch.EngineClient.flush_cache` (SGLang)."""
+        result: str | None = await self._call(self.trio.flush_cache, timeout_s, engine_index=engine_index,
+                                              timeout=timeout)
+        return result
+
+    async def start_profile(self, *, engine_index: int | None = None, timeout: float | None = None,
+                            **options: Any) -> str | None:
+        """:meth:`zmqdispatch.EngineClient.start_profile` (SGLang)."""
+        result: str | None = await self._call(self.trio.start_profile, engine_index=engine_index, timeout=timeout,
+                                              **options)
+        return result
+
+    async def stop_profile(self, *, engine_index: int | None = None, timeout: float | None = None) -> str | None:
+        """:meth:`zmqdispatch.EngineClient.stop_profile` (SGLang)."""
+        result: str | None = await self._call(self.trio.stop_profile, engine_index=engine_index, timeout=timeout)
+        return result
+
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
@@ -356,7 +380,10 @@ async def connect(
     ``EngineDeadError(reason="closed")``, queued ABORTs are sent best-effort,
     a launched engine is terminated) and the exit waits for that even when
     cancelled meanwhile (the cancellation is raised afterwards). The last
-    client of a loop to leave ends the guest run.
+    client of a loop to leave ends the guest run. A loop closed from outside
+    with the block still open stops the launched engine (SIGTERM to its process
+    group) once nothing can run trio any more; a task destroyed with the loop
+    leaves the block without awaiting.
 
     Raises: what :func:`zmqdispatch.connect` raises; also
         GuestRunError: a trio run already owns this thread (from trio code use
@@ -366,6 +393,7 @@ async def connect(
                   launch=launch, config=config, launch_stdout=launch_stdout, resume=resume, runtime=runtime,
                   data_plane_host=data_plane_host, rng=rng)
     guest = await acquire()
+    abandoned = False
     try:
         loop = guest.loop
         ready: asyncio.Future[EngineClient] = loop.create_future()
@@ -382,13 +410,29 @@ async def connect(
                 ended.add_done_callback(_retrieved)
                 await wait_uncancelled(ended)
             raise
+        process = client.process
+        if process is not None:
+            guest.engine_groups.add(process.pid)  # launched in a process group of its own
         try:
             yield AsyncEngineClient(client, guest)
-        finally:
+        except GeneratorExit:
+            # the task holding the block was destroyed (its loop closed under
+            # it): nothing can be awaited any more; the engine stays listed
+            # for the guest run's host_closed
+            abandoned = True
             stop.set()
-            await wait_uncancelled(ended)
-            error = ended.exception()
-            if error is not None:
-                raise error
+            raise
+        finally:
+            if not abandoned:
+                stop.set()
+                try:
+                    await wait_uncancelled(ended)
+                finally:
+                    if process is not None and ended.done():  # stopped by the trio client
+                        guest.engine_groups.discard(process.pid)
+                error = ended.exception()
+                if error is not None:
+                    raise error
     finally:
-        await release(guest)
+        if not abandoned:
+            await release(guest)

@@ -24,7 +24,10 @@ Modules:
 - :mod:`.engine`: the fast benchmark engine (one process per runner): vLLM's
   handshake or a direct dial, pre-encoded step messages, a credit window so a
   saturating engine cannot bury a client in an unbounded queue, and a control
-  socket (configure, mark, stats, per-step timestamps).
+  socket (configure, mark, stats, per-step timestamps). ``--runtime
+  tokenspeed`` / ``sglang``: that runtime's handshake, input and batches.
+- :mod:`.batches`: the TokenSpeed and SGLang step encoders (column-major
+  batches spliced from cached pieces).
 - :mod:`._common`: stdlib + pyzmq only (the vLLM runner imports it by path from
   the vllm venv): the control-channel client, cell settings, percentiles, RSS.
 - :mod:`.run_raw`, :mod:`.run_zmqdispatch`, ``run_vllm.py``: one runner per

@@ -152,12 +152,15 @@ def ack_fifo_path(control: str) -> str:
     return os.path.join(os.path.dirname(control[len("ipc://"):]), "acks.fifo")
 
 
-def engine_argv(engine_python: str, *, control: str, **attach: str) -> list[str]:
+def engine_argv(engine_python: str, *, control: str, runtime: str = "vllm", **attach: str) -> list[str]:
     """The bench engine's command line; *attach*: ``handshake_address`` or
-    ``input_address`` + ``output_address``. The engine creates the ack FIFO
-    (:func:`ack_fifo_path`) before it dials."""
+    ``input_address`` + ``output_address``; *runtime*: the wire it speaks
+    (``--runtime``; anything but vLLM attaches with a handshake address only).
+    The engine creates the ack FIFO (:func:`ack_fifo_path`) before it dials."""
     argv = [engine_python, "-m", "zmqdispatch.bench.engine", "--control", control, "--parent-pid", str(os.getpid()),
             "--ack-fifo", ack_fifo_path(control)]
+    if runtime != "vllm":
+        argv += ["--runtime", runtime]
     for key, value in attach.items():
         argv += [f"--{key.replace('_', '-')}", value]
     return argv
@@ -273,6 +276,37 @@ class Acker:
 
 
 # ---------------------------------------------------------------------- figures
+
+#: The bench engine's token ids are ``step % TOKEN_MODULUS`` (``engine.token_for_step``).
+TOKEN_MODULUS = 2**31
+
+
+class StepLatency:
+    """Latency for clients that cannot see an engine timestamp (TokenSpeed and
+    SGLang batches carry none; vLLM's ``RequestOutput`` does not expose it).
+
+    Per delivery the consumer records its last token id (the bench engine's
+    step number, ``engine.token_for_step``) and its receipt time; after the
+    window, :meth:`resolve` maps each to the send time of that step (the
+    engine's ``table``) and appends ``receipt - send`` seconds to a latency array.
+    """
+
+    __slots__ = ("tokens", "received")
+
+    def __init__(self) -> None:
+        self.tokens = array("q")
+        self.received = array("d")
+
+    def resolve(self, header: dict[str, Any], table: Sequence[float], out: Any) -> None:
+        """Append the latencies to *out* (an ``array("d")``); deliveries of steps
+        outside the table (before ``mark``) are left out."""
+        first = header["first_step"]
+        n = len(table)
+        for tok, r in zip(self.tokens, self.received):
+            idx = (tok - first) % TOKEN_MODULUS
+            if idx < n:
+                out.append(r - table[idx])
+
 
 
 def percentiles(samples: Sequence[float], points: Iterable[float] = (50, 99, 99.9)) -> dict[str, float | None]:

@@ -5,6 +5,16 @@ then emits one ``EngineCoreOutputs`` per step covering every running request,
 and it does so fast enough that the client, not the engine, is what a
 benchmark measures (it reports its own maximum rate to prove it).
 
+``--runtime tokenspeed`` / ``sglang``: it attaches with that runtime's
+handshake (:func:`zmqdispatch.testing.dial.dial`, ``docs/tokenspeed-wire.md``
+§1.4), decodes its ADD / ABORT (SGLang: and CONTROL, answered as
+:class:`zmqdispatch.mock.sglang_core.MockSGLangScheduler` does) and emits one
+column-major batch per step (:mod:`.batches`), with the same lifecycle, token
+ids, step table, credit window and control socket as below. Those batches
+carry no timestamp: clients map a delivery's last token id to its step's send
+time in ``table``. Only the handshake attach exists for them (the raw loop and
+vLLM's client speak the vLLM wire only).
+
 Attaching (two ways, both vLLM 0.32's engine side, ``docs/vllm-wire.md`` §5.1):
 
 - ``--handshake-address ADDR``: dial the client's handshake ROUTER (HELLO ->
@@ -63,6 +73,8 @@ request           meaning                                        reply
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import argparse
 import itertools
 import json
@@ -73,23 +85,34 @@ import struct
 import sys
 import time
 from array import array
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import trio
 import zmq
 
+from ._admitted import RunningRequests
 from ..mock.core import MockEngineCore
+from ..mock.sglang_core import MockSGLangScheduler
 from ..testing.dial import dial as engine_dial
 from ..testing.dial import ready_response
+from ..wire import sglang as sg
+from ..wire import sglang_engine as sg_engine
+from ..wire import tokenspeed as ts
+from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm as wire
 from ..wire import vllm_engine as wire_engine
 from ..wire import vllm_handshake as handshake
+from . import batches
 
-__all__ = ["StepEncoder", "BenchEngine", "open_ack_fifo", "token_for_step", "main"]
+__all__ = ["StepEncoder", "BenchEngine", "open_ack_fifo", "token_for_step", "main", "RUNTIMES"]
 
+#: ``--runtime`` values: the wire the engine speaks.
+RUNTIMES = ("vllm", "tokenspeed", "sglang")
 #: Token ids are ``step % TOKEN_MODULUS`` (below vLLM's int32 and our MAX_TOKEN_ID).
-TOKEN_MODULUS = 2**31
+TOKEN_MODULUS = batches.TOKEN_MODULUS
+#: SGLang's ``max_new_tokens`` when a request leaves it nil (as the mock scheduler).
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 #: A token id whose msgpack form (uint32, 0xce + 4 bytes) cannot occur in a UTF-8 id.
 _SENTINEL = 0xFFFFFFFF
 _SENTINEL_BYTES = b"\xce\xff\xff\xff\xff"
@@ -104,7 +127,7 @@ def token_for_step(step: int) -> int:
     return step % TOKEN_MODULUS
 
 
-class StepEncoder:
+class StepEncoder(RunningRequests):
     """The running requests and the bytes of their next step (sans-IO).
 
     Request lifecycle: :meth:`add` -> first output (with ``prefill_stats``)
@@ -142,24 +165,8 @@ class StepEncoder:
     # ------------------------------------------------------------------ state
 
     @property
-    def running(self) -> int:
-        """Requests that will appear in the next step."""
-        return len(self._new) + len(self._steady)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._new or request_id in self._steady
-
-    def add(self, request_id: str, prompt_len: int, max_tokens: int | None) -> None:
-        """Admit a request (its first output goes out in the next step).
-
-        Raises:
-            ValueError: the id is already running (the real engine dies on this).
-        """
-        if request_id in self:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        self._new[request_id] = (prompt_len, max_tokens)
+    def _started(self) -> Mapping[str, object]:
+        return self._steady
 
     def remove(self, request_id: str) -> bool:
         """Drop a request (ABORT: no more output). False when unknown."""
@@ -318,20 +325,26 @@ def dial(
     input_address: str | None = None,
     output_address: str | None = None,
     timeout: float = 300.0,
+    runtime: str = "vllm",
 ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-    """Attach like a vLLM engine; return the input DEALER and output PUSH.
+    """Attach like a vLLM engine (or *runtime*'s); return the input DEALER and output PUSH.
 
     With *handshake_address*: the handshake of :func:`zmqdispatch.testing.dial.dial`
-    (HELLO, INIT, ready response on the input socket, READY), run once under
-    trio, its data-plane sockets then handed to this blocking loop. Otherwise
-    dial *input_address* / *output_address* (in *ctx*) and send the ready response.
+    (vLLM: HELLO, INIT, ready response on the input socket, READY; TokenSpeed and
+    SGLang in their order), run once under trio, its data-plane sockets then
+    handed to this blocking loop. Otherwise (vLLM only) dial *input_address* /
+    *output_address* (in *ctx*) and send the ready response.
 
     Raises:
         TimeoutError: the handshake did not complete within *timeout* seconds.
+        ValueError: no handshake address and not both data-plane addresses, or
+            a direct dial for another runtime than vLLM.
     """
     if handshake_address is None:
         if input_address is None or output_address is None:
             raise ValueError("give a handshake address, or both input and output addresses")
+        if runtime != "vllm":
+            raise ValueError(f"runtime {runtime!r}: only the handshake attach (--handshake-address)")
         inp, out = _data_sockets(ctx, engine_index.to_bytes(2, "little"), input_address, output_address)
         inp.send(handshake.encode_ready_response(ready))
         return inp, out
@@ -339,7 +352,8 @@ def dial(
 
     async def attach() -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         with trio.move_on_after(timeout):
-            socks = await engine_dial(address, ready, engine_index=engine_index)
+            socks = await engine_dial(address, ready, engine_index=engine_index, tokenspeed=runtime == "tokenspeed",
+                                      sglang=runtime == "sglang")
             return socks.input.detach(), socks.output.detach()
         raise TimeoutError(f"no handshake with {address} within {timeout} s")
 
@@ -373,6 +387,12 @@ class BenchEngine:
         step_interval: seconds between steps; 0 = as fast as the window allows.
         window: request-ticks in flight before a step waits for acks (0 = none).
         ack_fd: the read end of the ack FIFO (:func:`open_ack_fifo`), or None.
+        runtime: the wire: ``"vllm"``, ``"tokenspeed"`` or ``"sglang"``.
+        max_model_len: TokenSpeed fills the context when ``max_new_tokens`` is nil.
+        kv_total: the TokenSpeed / SGLang load tail's KV capacity (pages / tokens).
+
+    Raises:
+        ValueError: an unknown *runtime*.
     """
 
     #: seconds between input/control drains while stepping flat out
@@ -391,10 +411,19 @@ class BenchEngine:
         window: int = 0,
         parent_pid: int | None = None,
         ack_fd: int | None = None,
+        runtime: str = "vllm",
+        max_model_len: int = 2**20,
+        kv_total: int = 0,
     ) -> None:
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
         self.inp, self.out, self.control = inp, out, control
         self.engine_index = engine_index
-        self.encoder = StepEncoder(engine_index=engine_index, tokens_per_tick=tokens_per_tick)
+        self.runtime = runtime
+        self.max_model_len = max_model_len
+        self.kv_total = kv_total
+        self.encoder = self._make_encoder(tokens_per_tick)
+        self.sglang_control = MockSGLangScheduler(engine_index=engine_index) if runtime == "sglang" else None
         self.mode = mode
         self.step_interval = step_interval
         self.window = window
@@ -412,6 +441,12 @@ class BenchEngine:
         self.ack_fd = ack_fd
         self._ack_buf = b""
 
+    def _make_encoder(self, tokens_per_tick: int) -> StepEncoder | batches.BatchStepEncoder:
+        if self.runtime == "vllm":
+            return StepEncoder(engine_index=self.engine_index, tokens_per_tick=tokens_per_tick)
+        return batches.make_step_encoder(self.runtime, engine_index=self.engine_index,
+                                         tokens_per_tick=tokens_per_tick, kv_total=self.kv_total)
+
     def _read_acks(self, fd: int) -> None:
         try:
             data = os.read(fd, 65536)
@@ -428,17 +463,56 @@ class BenchEngine:
 
     # ------------------------------------------------------------------ input
 
+    def _admit(self, request_id: str, prompt_len: int, max_tokens: int | None) -> None:
+        was_idle = self.encoder.running == 0
+        self.encoder.add(request_id, prompt_len, max_tokens)
+        self.adds += 1
+        if was_idle:
+            self.next_step = time.monotonic()
+
+    def _on_input_tokenspeed(self, frames: list[bytes]) -> None:
+        _, body = ts_engine.decode_input(frames)
+        if not isinstance(body, ts.TokenizedGenerateReqInput):  # an ABORT: its request ids
+            for rid in body:
+                self.aborts += self.encoder.remove(rid)
+            return
+        prompt = len(body.input_ids or ())
+        max_new = body.sampling_params.max_new_tokens
+        # nil fills the context, as TokenSpeed does
+        self._admit(body.rid, prompt, max(1, self.max_model_len - prompt - 1) if max_new is None else max_new)
+
+    def _on_input_sglang(self, frames: list[bytes]) -> None:
+        kind, body = sg_engine.decode_input(frames)
+        if kind is sg.RequestType.CONTROL:
+            assert self.sglang_control is not None
+            call_id, method, args = cast(sg_engine.ControlCall, body)
+            self.out.send(sg_engine.encode_control_reply(self.sglang_control.control(call_id, method, args)))
+            return
+        if not isinstance(body, sg.TokenizedGenerateReqInput):  # an ABORT: its request ids
+            # Exact ids: SGLang also aborts every rid that starts with one, which no cell relies on.
+            for rid in cast(tuple[str, ...], body):
+                self.aborts += self.encoder.remove(rid)
+            return
+        max_new = body.sampling_params.max_new_tokens
+        self._admit(body.rid, len(body.input_ids or ()), SGLANG_DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new)
+
     def _on_input(self, frames: list[bytes]) -> None:
+        if self.runtime != "vllm":
+            try:
+                if self.runtime == "tokenspeed":
+                    self._on_input_tokenspeed(frames)
+                else:
+                    self._on_input_sglang(frames)
+            except Exception as exc:  # a bad message is counted, never fatal here
+                self.errors += 1
+                print(f"bench engine: bad input message: {exc!r}", file=sys.stderr, flush=True)
+            return
         kind = frames[0][0] if frames and len(frames[0]) == 1 else -1
         try:
             if kind == wire.RequestType.ADD:
                 req = wire_engine.decode_request(frames[1:])
                 sp = req.sampling_params
-                was_idle = self.encoder.running == 0
-                self.encoder.add(req.request_id, len(req.prompt_token_ids or ()), sp.max_tokens if sp else None)
-                self.adds += 1
-                if was_idle:
-                    self.next_step = time.monotonic()
+                self._admit(req.request_id, len(req.prompt_token_ids or ()), sp.max_tokens if sp else None)
             elif kind == wire.RequestType.ABORT:
                 for rid in wire_engine.decode_abort(frames[1]):
                     self.aborts += self.encoder.remove(rid)
@@ -470,6 +544,7 @@ class BenchEngine:
         wall = time.monotonic() - c.wall0
         return {
             "epoch": self.epoch,
+            "runtime": self.runtime,
             "running": self.encoder.running,
             "adds": self.adds,
             "aborts": self.aborts,
@@ -520,7 +595,7 @@ class BenchEngine:
         if "tokens_per_tick" in cfg and cfg["tokens_per_tick"] != self.encoder.tokens_per_tick:
             if self.encoder.running:
                 return {"error": "tokens_per_tick can change only while nothing runs"}
-            self.encoder = StepEncoder(engine_index=self.engine_index, tokens_per_tick=int(cfg["tokens_per_tick"]))
+            self.encoder = self._make_encoder(int(cfg["tokens_per_tick"]))
         if "mode" in cfg:
             if cfg["mode"] not in ("run", "hold"):
                 return {"error": f"unknown mode {cfg['mode']!r}"}
@@ -641,6 +716,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-address", help="dial the output PULL directly")
     p.add_argument("--control", help="bind the control ROUTER here")
     p.add_argument("--ack-fifo", help="create this FIFO and read the consumers' acks from it")
+    p.add_argument("--runtime", choices=RUNTIMES, default="vllm",
+                   help="the wire to speak (tokenspeed, sglang: with --handshake-address only)")
     p.add_argument("--engine-index", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=2**20)
     p.add_argument("--mode", choices=("run", "hold"), default="run")
@@ -652,7 +729,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.runtime != "vllm" and not args.handshake_address:
+        parser.error(f"--runtime {args.runtime} needs --handshake-address (the direct dial is vLLM's)")
     # SIGTERM (the runner, or zmqdispatch's launch= teardown) ends the loop
     # wherever it is, like Ctrl-C.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -667,14 +747,16 @@ def main(argv: list[str] | None = None) -> int:
             control.setsockopt(zmq.LINGER, 0)
             control.bind(args.control)
             socks.append(control)
+        ready = ready_response(args.max_model_len, runtime=args.runtime, engine_index=args.engine_index,
+                               max_num_seqs=65536, build="zmqdispatch.bench")
         inp, out = dial(
             ctx,
-            ready_response(args.max_model_len, engine_index=args.engine_index, max_num_seqs=65536,
-                           build="zmqdispatch.bench"),
+            ready,
             engine_index=args.engine_index,
             handshake_address=args.handshake_address,
             input_address=args.input_address,
             output_address=args.output_address,
+            runtime=args.runtime,
         )
         socks += [inp, out]
         engine = BenchEngine(
@@ -688,6 +770,10 @@ def main(argv: list[str] | None = None) -> int:
             window=args.window,
             parent_pid=args.parent_pid,
             ack_fd=ack_fd,
+            runtime=args.runtime,
+            max_model_len=args.max_model_len,
+            # the load tail's capacity: TokenSpeed in pages, SGLang in tokens (its ready response's)
+            kv_total=ready.num_gpu_blocks if args.runtime == "tokenspeed" else (ready.kv_cache_size_tokens or 0),
         )
         engine.serve()
     except KeyboardInterrupt:

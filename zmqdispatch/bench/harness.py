@@ -70,6 +70,15 @@ comparison (:mod:`.real`): 8 concurrent sequences on a real vLLM EngineCore
 installed), each with the engine in its session and as a service in a session
 of its own.
 
+Runtimes (``--runtime``, default ``vllm``): ``tokenspeed`` and ``sglang`` run the
+benchmark engine on that runtime's wire (its handshake, ADD / ABORT, its
+per-step output batch: :mod:`.batches`) and the zmqdispatch clients with
+``connect(runtime=...)`` and that runtime's request type. ``raw`` and ``vllm``
+speak the vLLM wire only, and the burst and many-engine cells are vLLM's only:
+for another runtime they are skipped, with the reason printed and recorded in
+``bench.json`` / ``bench.md``. ``--real-engine`` is vLLM's only (refused with
+another runtime).
+
 Credit window (see :mod:`.engine`): ``max(16 * C, 4096)`` request-ticks in
 flight, acked every quarter window. At saturation the clients' backlog (and so
 their merging and their latency) is set by this window: latency figures are
@@ -107,6 +116,10 @@ __all__ = ["add_arguments", "run", "default_cells", "BenchSettings"]
 
 SCHEMA = "zmqdispatch-bench/1"
 CLIENTS = ("raw", "zmqdispatch", "zmqdispatch-group", "zmqdispatch-asyncio", "vllm")
+#: ``--runtime`` values: the wire of the benchmark engine and the clients
+RUNTIMES = ("vllm", "tokenspeed", "sglang")
+#: clients that speak every runtime (the others speak the vLLM wire only)
+ALL_RUNTIME_CLIENTS = ("zmqdispatch", "zmqdispatch-group", "zmqdispatch-asyncio")
 #: clients that run the burst cells (the raw loop admits nothing; vLLM's client is not wired up for it)
 BURST_CLIENTS = ("zmqdispatch", "zmqdispatch-group")
 #: clients that run the many-engine cells (vLLM's data-parallel client is not wired up here)
@@ -187,8 +200,13 @@ def many_cells(
     return [common.cell_settings(c) for c in cells]
 
 
-def runs_cell(cell: dict[str, Any], client: str) -> str | None:
-    """None when *client* runs *cell*, else why it is skipped."""
+def runs_cell(cell: dict[str, Any], client: str, runtime: str = "vllm") -> str | None:
+    """None when *client* runs *cell* on *runtime*, else why it is skipped."""
+    if runtime != "vllm" and cell["kind"] == "burst":
+        return (f"runtime {runtime}: the burst cells speak the vLLM wire only (their latency is "
+                "EngineCoreOutputs.timestamp's)")
+    if runtime != "vllm" and cell["kind"].startswith("many_"):
+        return f"runtime {runtime}: the many-engine cells speak the vLLM wire only"
     if client == "zmqdispatch-asyncio" and cell["kind"] != "throughput":
         return "the asyncio API is measured in the throughput cells (the trio runner measures the others)"
     if cell["kind"] == "burst" and client not in BURST_CLIENTS:
@@ -346,12 +364,25 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value}: expected {limit}")
 
 
+def flag_conflict(args: argparse.Namespace) -> str | None:
+    """Why these ``zmqdispatch bench`` flags cannot go together (for an argparse error), or None."""
+    runtime = getattr(args, "runtime", "vllm")
+    if args.real_engine and runtime != "vllm":
+        return (f"--real-engine runs a real vLLM EngineCore and speaks the vLLM wire only: not with "
+                f"--runtime {runtime}")
+    return None
+
+
 class BenchSettings:
     """Everything one ``zmqdispatch bench`` run needs (built from the CLI)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         """Raises ValueError naming the option for a count or duration out of range."""
         _check_ranges(args)
+        conflict = flag_conflict(args)
+        if conflict is not None:
+            raise ValueError(conflict)
+        self.runtime: str = getattr(args, "runtime", "vllm")
         self.rounds: int = args.rounds
         self.clients: list[str] = list(dict.fromkeys(args.clients))  # a client named twice runs once
         self.output_dir = Path(args.output_dir)
@@ -399,14 +430,15 @@ class BenchSettings:
 
 
 def _runner_argv(client: str, settings: BenchSettings, model_dir: str | None, *, real: bool = False) -> list[str]:
+    runtime = [] if real or settings.runtime == "vllm" else ["--runtime", settings.runtime]
     if client == "raw":
         return [sys.executable, "-m", "zmqdispatch.bench.run_raw"]
     if client == "zmqdispatch-group":
-        return [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", "--group"]
+        return [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", "--group", *runtime]
     if client == "zmqdispatch-asyncio":
-        return [sys.executable, "-m", "zmqdispatch.bench.run_aio"]
+        return [sys.executable, "-m", "zmqdispatch.bench.run_aio", *runtime]
     if client == "zmqdispatch":
-        argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch"]
+        argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", *runtime]
         if real:
             argv += ["--real", "--vllm-python", str(settings.vllm_python), "--real-vllm-scripts",
                      str(settings.real_vllm_scripts)]
@@ -492,6 +524,11 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
     logs = settings.output_dir / "logs"
     skipped: dict[str, str] = {}
     clients = [c for c in settings.clients if c in CLIENTS]
+    if settings.runtime != "vllm":
+        for c in [c for c in clients if c not in ALL_RUNTIME_CLIENTS]:
+            skipped[c] = f"{c} skipped: runtime {settings.runtime}: it speaks the vLLM wire only"
+            out(skipped[c])
+        clients = [c for c in clients if c in ALL_RUNTIME_CLIENTS]
     model_tmp = tempfile.TemporaryDirectory(prefix="zmqd-bench-model-")
     model_dir = None
     if "vllm" in clients or settings.real_engine:
@@ -522,7 +559,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
             try:
                 progress.describe(f"round {rnd + 1}/{settings.rounds}: starting runners")
                 for client in clients:
-                    if all(runs_cell(cell, client) for cell in settings.cells):
+                    if all(runs_cell(cell, client, settings.runtime) for cell in settings.cells):
                         continue  # nothing to run: no runner
                     runners[client] = Runner(client, _runner_argv(client, settings, model_dir),
                                              logs / f"round{rnd + 1}-{client}.log", env=settings.runner_env())
@@ -532,7 +569,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
                 for cell in settings.cells:
                     for client in clients:
                         progress.describe(f"round {rnd + 1}/{settings.rounds} {cell['name']} {client}")
-                        why = runs_cell(cell, client)
+                        why = runs_cell(cell, client, settings.runtime)
                         if why is not None:
                             res = {"client": client, "cell": cell["name"], "skipped": why}
                         else:
@@ -570,6 +607,7 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
         "machine": machine_info(),
         "runners": runner_info,
         "settings": {
+            "runtime": settings.runtime,
             "rounds": settings.rounds,
             "clients": settings.clients,
             "window": "max(16 * C, 4096) request-ticks",
@@ -619,6 +657,9 @@ def run(settings: BenchSettings, *, out: Callable[[str], None] = print) -> dict[
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``zmqdispatch bench`` options."""
+    p.add_argument("--runtime", choices=RUNTIMES, default="vllm",
+                   help="the wire of the benchmark engine and the clients (raw and vllm speak vLLM's only: "
+                        "skipped for the others, as are the burst and many-engine cells)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians")
     p.add_argument("--seconds", type=float, default=5.0, help="measurement window per cell, seconds")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds after every stream got output")

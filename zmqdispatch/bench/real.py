@@ -1,6 +1,7 @@
 """``zmqdispatch bench --real-engine``: clients of a real vLLM EngineCore, in three topologies.
 
-Clients: ``zmqdispatch`` (:mod:`.run_zmqdispatch`), ``vllm`` (vLLM's own
+Clients: ``zmqdispatch`` (:mod:`.run_zmqdispatch`), ``zmqdispatch-asyncio``
+(:mod:`.run_aio`: the asyncio API under uvloop, a task per stream), ``vllm`` (vLLM's own
 ``AsyncLLM``, ``run_vllm.py``) and, where ``scripts/install_smg.sh`` installed
 it, ``smg`` (the Rust gateway, ``run_smg.py``). Every client drives the same
 engine (``scripts/real_vllm/engine.py``, or ``AsyncLLM``'s own engine start with
@@ -57,7 +58,7 @@ from . import _common as common
 
 __all__ = ["REAL_CLIENTS", "smg_executable", "run_real", "paired_ratios", "targets", "format_real", "format_sched"]
 
-REAL_CLIENTS = ("zmqdispatch", "vllm", "smg")
+REAL_CLIENTS = ("zmqdispatch", "zmqdispatch-asyncio", "vllm", "smg")
 PACKAGE_DIR = Path(__file__).resolve().parent
 MAX_MODEL_LEN = 256
 #: Prompt tokens of every real-engine request.
@@ -165,8 +166,9 @@ def autogroup_nice_unavailable() -> str | None:
 def _runner_argv(client: str, topology: str, settings: Any, model_dir: str, attach: str | None,
                  scripts: Path, smg: str | None) -> list[str]:
     args = engine_args(model_dir, settings.real_sequences)
-    if client == "zmqdispatch":
-        argv = [sys.executable, "-m", "zmqdispatch.bench.run_zmqdispatch", "--real",
+    if client in ("zmqdispatch", "zmqdispatch-asyncio"):
+        module = "run_zmqdispatch" if client == "zmqdispatch" else "run_aio"
+        argv = [sys.executable, "-m", f"zmqdispatch.bench.{module}", "--real",
                 "--vllm-python", str(settings.vllm_python), "--real-vllm-scripts", str(scripts)]
         return argv + (["--attach", attach] if attach else [f"--engine-arg={a}" for a in args])
     if client == "vllm":

@@ -211,11 +211,21 @@ def format_tables(doc: dict[str, Any]) -> str:
                 f"| {_fmt(m['engine']['max_request_ticks_per_s'], ',.0f')} |"
             )
     throughput_rows = len(lines) > 2
+    runtime = doc.get("settings", {}).get("runtime", "vllm")
     lines.append("")
-    lines.append("Latency: engine send (`EngineCoreOutputs.timestamp`) to consumer receipt, paced cells only "
-                 "(slow mix: the consumers that keep up). CPU: the client process, all threads. "
-                 "× vLLM: request-ticks/s over vLLM's.")
+    if runtime == "vllm":
+        lines.append("Latency: engine send (`EngineCoreOutputs.timestamp`) to consumer receipt, paced cells only "
+                     "(slow mix: the consumers that keep up). CPU: the client process, all threads. "
+                     "× vLLM: request-ticks/s over vLLM's.")
+    else:
+        lines.append(f"Runtime: {runtime} (its wire end to end: handshake, requests, per-step batches). Latency: "
+                     "engine send of the step (the engine's step table; these batches carry no timestamp) to "
+                     "consumer receipt, paced cells only (slow mix: the consumers that keep up). CPU: the client "
+                     "process, all threads.")
     out = "\n".join(lines) if throughput_rows or not doc["cells"] else ""
+    skipped = doc.get("skipped") or {}
+    if skipped:
+        out += "\n\nSkipped clients:\n\n" + "\n".join(f"- {why}" for why in skipped.values())
     if len(burst_lines) > 2:
         out += ("\n\nAdmission under load: while the running streams get one tick per step, `burst` requests "
                 "enter at once; the running streams' wait for a tick (engine send to consumer receipt) while "

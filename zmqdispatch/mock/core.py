@@ -30,7 +30,15 @@ What it reproduces of the real engine (vLLM 0.32, verified facts in
   ``zmqd_live_requests`` -> the number of running requests, ``zmqd_live_ids``
   -> their ids (first 1,000, sorted), ``zmqd_stats`` ->
   ``{"live", "requests_received", "aborts_received", "steps"}``;
-- shutdown aborts running requests with finish ABORT and ``finished_requests``.
+- shutdown aborts running requests with finish ABORT and ``finished_requests``;
+- multimodal ADDs (``mm_features``, tensors inline or as aux frames, decoded as vLLM's
+  decoder does by the reader: what it fails on stops the input reader): the LRU receiver
+  cache of vLLM 0.32 (``mm_cache_bytes``; an item sent with data nil that it does not
+  hold is answered with one ERROR output carrying ``mm_cache_miss_hashes``, the engine
+  serving on); the items' keys enter the token hash, so another image gives other
+  tokens. The mock's own choice (not the real engine's, which fails later in the model
+  runner): a placeholder outside the prompt, overlapping another or with an
+  ``is_embed`` of another length is answered with an ERROR output.
 
 Tokens are deterministic: a function of the prompt, the position and the
 seed, so the same greedy request gives the same ids on every run.
@@ -47,10 +55,12 @@ from typing import Any
 
 import attrs
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 from ..wire import vllm as wire
 from ..wire import vllm_engine as wire_engine
+from ..wire.vllm_multimodal import MultiModalFeatureSpec, cache_item_size
 
 __all__ = ["MockEngineCore", "FatalEngineError", "mock_token"]
 
@@ -67,6 +77,14 @@ def mock_token(prompt_hash: int, position: int, seed: int, vocab_size: int) -> i
     x = (prompt_hash * 1_000_003 + (position + 1) * 7_919 + seed * 104_729) & 0xFFFFFFFF
     x ^= x >> 13
     return 3 + x % (vocab_size - 3)
+
+
+def mock_text(token_ids: Iterable[int]) -> str:
+    """The mock's detokenizer: each token id is one lowercase letter,
+    ``chr(ord("a") + id % 26)``, so a stop string of *n* letters spans *n* tokens.
+    The vLLM and TokenSpeed mocks never detokenize (their engines match no stop
+    strings); the SGLang mock matches stop strings on this text."""
+    return "".join(chr(97 + t % 26) for t in token_ids)
 
 
 @attrs.define(slots=True, eq=False)
@@ -87,10 +105,12 @@ class MockEngineCore:
         vocab_size: prompt token ids must be below it (else fatal).
         tokens_per_step: new tokens per request per step (1 on a real engine
             without speculative decoding).
+        mm_cache_bytes: the multimodal receiver cache's capacity (vLLM's default
+            ``mm_processor_cache_gb`` is 4); 0: no cache (an item sent with data nil misses).
     """
 
     def __init__(self, *, engine_index: int = 0, max_model_len: int = 4096, vocab_size: int = 32_000,
-                 tokens_per_step: int = 1) -> None:
+                 tokens_per_step: int = 1, mm_cache_bytes: int = 4 << 30) -> None:
         self.engine_index = engine_index
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -107,10 +127,62 @@ class MockEngineCore:
         self.memory_asleep = False
         #: outputs a utility call produced (pause with mode "abort"), sent before its reply
         self.utility_outputs: list[wire_engine.EngineCoreOutput] = []
+        self.mm_cache_bytes = mm_cache_bytes
+        #: the receiver cache: key -> charged size, least recently used first
+        self.mm_cache: OrderedDict[str, int] = OrderedDict()
+        self.mm_cache_used = 0
+        self.mm_items_received = 0
 
-    def add(self, request: wire.EngineCoreRequest) -> wire_engine.EngineCoreOutput | None:
-        """Admit an ADD. Returns an immediate ERROR output for a request the
-        engine's preprocessing refuses (``max_tokens`` nil), else ``None``.
+    def _mm_receive(self, features: list[MultiModalFeatureSpec]) -> list[str]:
+        """vLLM 0.32's ``LruKeyReplicatedReceiverCache.get_and_update_features``: the
+        keys missing (data nil and not held)."""
+        cache = self.mm_cache
+        keys = [f.mm_hash or f.identifier for f in features]
+        for k in keys:
+            if k in cache:
+                cache.move_to_end(k)
+        missing = []
+        for f, k in zip(features, keys):
+            if f.data is None:
+                if k in cache:
+                    cache.move_to_end(k)
+                else:
+                    missing.append(k)
+                continue
+            self.mm_items_received += 1
+            old = cache.pop(k, None)
+            if old is not None:
+                self.mm_cache_used -= old
+            size = cache_item_size(f)
+            if size > self.mm_cache_bytes:
+                continue
+            while self.mm_cache_used + size > self.mm_cache_bytes:
+                _, evicted = cache.popitem(last=False)
+                self.mm_cache_used -= evicted
+            cache[k] = size
+            self.mm_cache_used += size
+        return missing
+
+    @staticmethod
+    def _mm_placeholder_error(features: list[MultiModalFeatureSpec], prompt_len: int) -> str | None:
+        end = 0
+        for f in sorted(features, key=lambda f: f.mm_position.offset):
+            p = f.mm_position
+            if p.length < 1 or p.offset < 0 or p.offset + p.length > prompt_len:
+                return f"placeholder [{p.offset}, {p.offset + p.length}) outside the prompt of {prompt_len} tokens"
+            if p.offset < end:
+                return f"placeholder at {p.offset} overlaps the one ending at {end}"
+            if p.is_embed is not None and p.is_embed.shape != (p.length,):
+                return f"is_embed of shape {list(p.is_embed.shape)} for a placeholder of {p.length}"
+            end = p.offset + p.length
+        return None
+
+    def add(self, request: wire.EngineCoreRequest,
+            mm_features: list[MultiModalFeatureSpec] | None = None) -> wire_engine.EngineCoreOutput | None:
+        """Admit an ADD (*mm_features*: its ``mm_features`` as decoded by
+        :func:`~zmqdispatch.wire.vllm_multimodal.decode_mm_features`). Returns an
+        immediate ERROR output for a request the engine's preprocessing refuses
+        (``max_tokens`` nil, a receiver-cache miss, a bad placeholder), else ``None``.
 
         Raises:
             FatalEngineError: duplicate live id, a token id >= vocab_size, or
@@ -130,11 +202,22 @@ class MockEngineCore:
                 f"RuntimeError: worker failed: a prompt of {prompt_len} tokens with max_model_len "
                 f"{self.max_model_len}"
             )
+        error = wire.FinishReason.ERROR
+        h = 0
+        if mm_features:
+            missing = self._mm_receive(mm_features)
+            if missing:
+                return wire_engine.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=error,
+                                                    mm_cache_miss_hashes=tuple(missing))
+            if self._mm_placeholder_error(mm_features, prompt_len) is not None:
+                return wire_engine.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=error)
+            for f in mm_features:
+                for c in (f.mm_hash or f.identifier).encode():
+                    h = (h * 31 + c) & 0xFFFFFFFF
         sp = request.sampling_params
         if sp is None or sp.max_tokens is None:
-            return wire_engine.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=wire.FinishReason.ERROR)
+            return wire_engine.EngineCoreOutput(request_id=rid, new_token_ids=(), finish_reason=error)
         prompt = request.prompt_token_ids or ()
-        h = 0
         for t in prompt:
             h = (h * 31 + t) & 0xFFFFFFFF
         self.running[rid] = _Running(request, h, sp.seed if sp.seed is not None else 0)

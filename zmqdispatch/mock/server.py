@@ -1,12 +1,15 @@
 """The mock engine program: a wire-faithful vLLM EngineCore or TokenSpeed stand-in.
 
-Run as ``zmqdispatch mock-engine --handshake-address ADDR [--runtime tokenspeed]``.
+Run as ``zmqdispatch mock-engine --handshake-address ADDR [--runtime tokenspeed|sglang]``.
 Each data-parallel rank it runs (``--data-parallel-size N``: ranks 0..N-1, see
 :func:`rank_configs`) dials in exactly as vLLM's EngineCore (or TokenSpeed's scheduler) does
 (:mod:`zmqdispatch.testing.dial`), then runs two tasks, each owning one socket: an input reader
 (DEALER) and a stepper (PUSH) that emits one ``EngineCoreOutputs`` (TokenSpeed:
 one ``BatchTokenIDOutSlim``) per step covering every running request
-(:class:`.core.MockEngineCore`, :class:`.tokenspeed_core.MockTokenSpeedScheduler`).
+(:class:`.core.MockEngineCore`, :class:`.tokenspeed_core.MockTokenSpeedScheduler`,
+:class:`.sglang_core.MockSGLangScheduler`: an SGLang scheduler behind the SGLang plugin,
+which answers CONTROL calls, an ADD it cannot decode with a terminal ``"abort"`` when
+its rid can be read, and sends the sentinel when it stops).
 
 TokenSpeed differs at the I/O level (``docs/tokenspeed-wire.md`` §1.12): a message
 that does not decode, or an unknown type byte, is dropped and the reader goes
@@ -57,12 +60,16 @@ import zmq
 from .._zmq_trio import TrioSocket, parse_monitor_event
 from ..addresses import check_address
 from ..testing.dial import EngineSockets, dial, ready_response
+from ..wire import sglang as sg
+from ..wire import sglang_engine as sg_engine
 from ..wire import tokenspeed as ts
 from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm as wire
 from ..wire import vllm_engine as wire_engine
+from ..wire.vllm_multimodal import decode_mm_features
 from .core import FatalEngineError, MockEngineCore
-from .tokenspeed_core import MockTokenSpeedScheduler
+from .sglang_core import MockSGLangScheduler
+from .tokenspeed_core import MockTokenSpeedScheduler, embedding_fault, typed_multimodal
 
 _log = logging.getLogger("zmqdispatch.mock")
 
@@ -75,12 +82,15 @@ __all__ = [
     "serve_mock_ranks",
     "start_mock_engine",
     "FAULT_KINDS",
+    "MOCK_VOCAB_SIZE",
     "RUNTIMES",
 ]
 
 #: ``--runtime`` values.
-RUNTIMES = ("vllm", "tokenspeed")
+RUNTIMES = ("vllm", "tokenspeed", "sglang")
 
+#: the mock engine's default vocabulary (``zmqdispatch mock-engine --vocab-size``)
+MOCK_VOCAB_SIZE = 32_000
 FAULT_KINDS = ("sentinel", "exit", "garbage", "silent", "stop-reading", "no-ready")
 
 
@@ -117,9 +127,11 @@ class MockEngineConfig:
     data_parallel_size_local: int = 1
     data_parallel_size: int = 1
     max_model_len: int = 4096
-    vocab_size: int = 32_000
+    vocab_size: int = MOCK_VOCAB_SIZE
     step_interval: float = 0.001  # seconds; 0 = as fast as possible
     tokens_per_step: int = 1
+    #: vLLM: the multimodal receiver cache's capacity (``--mm-processor-cache-gb``)
+    mm_cache_gb: float = 4.0
     faults: tuple[tuple[str, int], ...] = ()
     headless: bool = False
     runtime: str = "vllm"
@@ -129,6 +141,9 @@ class MockEngineConfig:
     stream_interval: int = 1
     #: TokenSpeed: ``--enable-output-logprobs``.
     enable_output_logprobs: bool = True
+    #: TokenSpeed: the ready response's ``multimodal_encoder_dtype`` (the dtype of the
+    #: model's vision / audio tower; None: a text model, as the scheduler reports it).
+    multimodal_encoder_dtype: str | None = None
 
     def fault(self, kind: str) -> int | None:
         """The N of fault *kind* when it was requested, else ``None``."""
@@ -265,6 +280,7 @@ class _MockEngine(_EngineLoop):
             max_model_len=cfg.max_model_len,
             vocab_size=cfg.vocab_size,
             tokens_per_step=cfg.tokens_per_step,
+            mm_cache_bytes=int(cfg.mm_cache_gb * (1 << 30)),
         )
 
     def _schedulable(self) -> bool:
@@ -290,9 +306,11 @@ class _MockEngine(_EngineLoop):
                                      "stops, as the real engine's input thread dies", self.cfg.engine_index,
                                      req.request_id)
                         return
+                    # vLLM's decoder fails on these while decoding the ADD: the input thread dies
+                    mm = None if req.mm_features is None else decode_mm_features(req.mm_features, frames[1:])
                     adds += 1
                     try:
-                        err = self.core.add(req)
+                        err = self.core.add(req, mm)
                     except FatalEngineError as exc:
                         self.fatal = str(exc)
                         self._poke()
@@ -374,6 +392,8 @@ class _TokenSpeedMockEngine(_EngineLoop):
             frames = await self.socks.input.recv_multipart()
             try:
                 _, body = ts_engine.decode_input(frames)
+                if not isinstance(body, tuple):
+                    body = typed_multimodal(body, frames[1:])
             except Exception as exc:  # the real receiver logs and drops the message
                 self.dropped += 1
                 print(f"mock tokenspeed {self.cfg.engine_index}: dropped input: {exc}", file=sys.stderr)
@@ -382,7 +402,7 @@ class _TokenSpeedMockEngine(_EngineLoop):
                 self.core.abort(body)
                 continue
             adds += 1
-            if any(t >= self.cfg.vocab_size for t in body.input_ids or ()):
+            if embedding_fault(body, self.cfg.vocab_size) is not None:
                 # An id past the embedding table is a device-side fault: the engine crashes.
                 self.fatal = "token id out of range for the embedding table"
                 self.wake.set()
@@ -404,8 +424,49 @@ class _TokenSpeedMockEngine(_EngineLoop):
             self.socks.output.try_send([ts.ENGINE_CORE_DEAD])
 
 
+class _SGLangMockEngine(_EngineLoop):
+    """The I/O half of the SGLang mock (the state is :class:`MockSGLangScheduler`)."""
+
+    label = "mock sglang"
+
+    def __init__(self, cfg: MockEngineConfig, socks: EngineSockets) -> None:
+        super().__init__(cfg, socks)
+        self.core = MockSGLangScheduler(
+            engine_index=cfg.engine_index, max_model_len=cfg.max_model_len, vocab_size=cfg.vocab_size,
+            tokens_per_step=cfg.tokens_per_step, eos_token_ids=cfg.eos_token_ids,
+            stream_interval=cfg.stream_interval,
+        )
+
+    def _schedulable(self) -> bool:
+        return bool(self.core.running)
+
+    async def reader(self) -> None:
+        adds = 0
+        stop_after = self.cfg.fault("stop-reading")
+        while True:
+            frames = await self.socks.input.recv_multipart()
+            dropped = self.core.dropped
+            self.extra += self.core.receive(frames)
+            if self.core.dropped != dropped:
+                print(f"mock sglang {self.cfg.engine_index}: dropped an undecodable input", file=sys.stderr)
+            self.wake.set()
+            if bytes(frames[0]) == sg.RequestType.ADD.frame:
+                adds += 1
+                if stop_after is not None and adds >= stop_after:
+                    await trio.sleep_forever()
+
+    def _step_frames(self) -> list[bytes] | None:
+        batch = self.core.step()
+        return None if batch is None else sg_engine.encode_outputs(batch)
+
+    async def shutdown(self) -> None:
+        # The plugin sends the sentinel (best effort) when the scheduler's loop exits.
+        if not self.socks.output.closed:
+            self.socks.output.try_send([sg.ENGINE_CORE_DEAD])
+
+
 async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False,
-                            monitor_input: bool = False) -> _MockEngine | _TokenSpeedMockEngine:
+                            monitor_input: bool = False) -> _MockEngine | _TokenSpeedMockEngine | _SGLangMockEngine:
     """Dial *cfg.handshake_address* and return the engine, ready to ``run()``.
 
     ``in_process=True`` is for tests that run the mock inside their own trio run
@@ -422,20 +483,27 @@ async def start_mock_engine(cfg: MockEngineConfig, *, in_process: bool = False,
         raise ValueError(f"unknown runtime {cfg.runtime!r}; choose from {', '.join(RUNTIMES)}")
     check_address(cfg.handshake_address, role="handshake_address", bind=False, any_port=False)
     tokenspeed = cfg.runtime == "tokenspeed"
+    sglang = cfg.runtime == "sglang"
     socks = await dial(
         cfg.handshake_address,
-        ready_response(cfg.max_model_len, runtime="tokenspeed" if tokenspeed else "vllm",
+        ready_response(cfg.max_model_len, runtime=cfg.runtime,  # type: ignore[arg-type]  # checked above
                        engine_index=cfg.engine_index, build="zmqdispatch.mock",
                        # vLLM non-MoE ranks are independent engines (DP size 1 each)
-                       data_parallel_size=cfg.data_parallel_size if tokenspeed else 1),
+                       data_parallel_size=1 if cfg.runtime == "vllm" else cfg.data_parallel_size,
+                       multimodal_encoder_dtype=cfg.multimodal_encoder_dtype if tokenspeed else None),
         engine_index=cfg.engine_index,
         local=not cfg.headless,
         headless=cfg.headless,
         send_ready=cfg.fault("no-ready") is None,
         tokenspeed=tokenspeed,
+        sglang=sglang,
         monitor_input=monitor_input,
     )
-    engine = _TokenSpeedMockEngine(cfg, socks) if tokenspeed else _MockEngine(cfg, socks)
+    engine: _MockEngine | _TokenSpeedMockEngine | _SGLangMockEngine
+    if sglang:
+        engine = _SGLangMockEngine(cfg, socks)
+    else:
+        engine = _TokenSpeedMockEngine(cfg, socks) if tokenspeed else _MockEngine(cfg, socks)
     engine.in_process = in_process
     _log.info("%s %d: handshake with %s done (pid %d, faults %s)", engine.label, cfg.engine_index,
               cfg.handshake_address, os.getpid(), list(cfg.faults) or "none")

@@ -24,7 +24,13 @@ the mock checklist of §2), so clients can be tested against its quirks:
   and only when the engine runs with output logprobs enabled (else the
   request is refused at admission);
 - every batch carries ``engine_index`` and the load tail (running, waiting,
-  KV pages used / total).
+  KV pages used / total);
+- multimodal ADDs (``multimodal_inputs``, :func:`typed_multimodal`): the payload is
+  decoded as TokenSpeed's typed decoder does (a malformed one, a truncated or missing
+  tensor frame, drops the whole message), and the pad ids the items' ranges hold are
+  not token ids (:func:`embedding_fault` skips them, as the engine's embedder
+  overwrites those positions); the prompt's pad ids feed the mock's tokens, so two
+  images with different hashes give different outputs, as on the real engine.
 
 Tokens are deterministic (:func:`zmqdispatch.mock.core.mock_token` of the
 prompt, position and the resolved seed), so an unseeded request's tokens
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -43,9 +49,10 @@ import attrs
 from .. import limits
 from ..protocol import checks_tokenspeed
 from ..wire import tokenspeed as ts
+from ..wire import tokenspeed_multimodal as tsmm
 from .core import mock_token
 
-__all__ = ["MockTokenSpeedScheduler", "KV_PAGE_TOKENS"]
+__all__ = ["MockTokenSpeedScheduler", "KV_PAGE_TOKENS", "embedding_fault", "typed_multimodal"]
 
 #: Tokens per KV page in the mock's load snapshot.
 KV_PAGE_TOKENS = 16
@@ -54,6 +61,35 @@ KV_PAGE_TOKENS = 16
 def _logprob(token: int) -> float:
     """The mock's logprob for a sampled token: deterministic, in (-1, 0)."""
     return -((token % 997) + 1) / 1000.0
+
+
+def typed_multimodal(request: ts.TokenizedGenerateReqInput, frames: Sequence[Any]) -> ts.TokenizedGenerateReqInput:
+    """*request* with its raw ``multimodal_inputs`` read as TokenSpeed's typed decoder
+    reads them (*frames*: the ADD's ``[payload, *aux]``); unchanged without any.
+
+    Raises:
+        RemoteProtocolError: what that decoder refuses (the engine drops the message).
+    """
+    if request.multimodal_inputs is None or isinstance(request.multimodal_inputs, ts.MultimodalInputs):
+        return request
+    return attrs.evolve(request, multimodal_inputs=tsmm.decode_multimodal_inputs(request.multimodal_inputs, frames))
+
+
+def embedding_fault(request: ts.TokenizedGenerateReqInput, vocab_size: int) -> int | None:
+    """The first prompt position whose id is past the embedding table (a device fault
+    that kills the engine), or None. Positions inside a multimodal item's ranges hold
+    pad ids the embedder overwrites with the item's encoder output: skipped."""
+    ids = request.input_ids or ()
+    mm = request.multimodal_inputs
+    covered: set[int] = set()
+    if isinstance(mm, ts.MultimodalInputs):
+        for it in mm.mm_items:
+            for start, end in it.offsets or ():
+                covered.update(range(start, end + 1))
+    for i, t in enumerate(ids):
+        if t >= vocab_size and i not in covered:
+            return i
+    return None
 
 
 @attrs.define(slots=True, eq=False)
@@ -108,6 +144,12 @@ class MockTokenSpeedScheduler:
         self.refused: OrderedDict[str, str] = OrderedDict()
         self.aborts_received: deque[str] = deque(maxlen=10_000)
         self.requests_received = 0
+        #: multimodal items and their feature bytes received (admitted or not)
+        self.mm_items_received = 0
+        self.mm_feature_bytes_received = 0
+        #: ``(rid, feature dtype, feature shape)`` of each multimodal item received
+        #: (newest 10,000), for tests
+        self.mm_features_received: deque[tuple[str, str, tuple[int, ...]]] = deque(maxlen=10_000)
         self.killed_by_parked_abort = 0
         self.steps = 0
 
@@ -122,6 +164,12 @@ class MockTokenSpeedScheduler:
         """
         self.requests_received += 1
         rid = request.rid
+        mm = request.multimodal_inputs
+        if isinstance(mm, ts.MultimodalInputs):
+            self.mm_items_received += len(mm.mm_items)
+            self.mm_feature_bytes_received += sum(it.feature.nbytes for it in mm.mm_items if it.feature is not None)
+            self.mm_features_received.extend((rid, it.feature.dtype, tuple(it.feature.shape))
+                                             for it in mm.mm_items if it.feature is not None)
         reason = checks_tokenspeed.admission_error(
             request, vocab_size=self.vocab_size, enable_output_logprobs=self.enable_output_logprobs
         )
@@ -235,4 +283,6 @@ class MockTokenSpeedScheduler:
             "aborts_received": len(self.aborts_received),
             "parked_aborts": len(self.parked),
             "steps": self.steps,
+            "mm_items_received": self.mm_items_received,
+            "mm_feature_bytes_received": self.mm_feature_bytes_received,
         }

@@ -24,9 +24,11 @@ from ..errors import ContextLengthError, LocalProtocolError, RequestRejected
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from ..wire.tensors import check_tensor
+from ..wire.tokenspeed_multimodal import to_wire as _ts_mm_to_wire
+from ..wire.vllm_multimodal import check_wire_features
 from . import checks_tokenspeed
 
-__all__ = ["check_request", "check_sampling_params", "check_tokenspeed_request", "json_depth"]
+__all__ = ["check_json_text", "check_request", "check_sampling_params", "check_tokenspeed_request", "json_depth"]
 
 # vLLM's SamplingParams._verify_args bounds (vllm/sampling_params.py, 0.32.0).
 _PENALTY_RANGE = (-2.0, 2.0)
@@ -235,6 +237,11 @@ def check_request(
             check_tensor(request.prompt_embeds, torch=True)
         except LocalProtocolError as exc:
             raise _reject(rid, "prompt_embeds", str(exc)) from None
+    if request.mm_features is not None:
+        try:
+            check_wire_features(request.mm_features, len(prompt) if prompt is not None else None)
+        except LocalProtocolError as exc:
+            raise _reject(rid, "mm_features", str(exc)) from None
     for name in wire.OPAQUE_REQUEST_FIELDS:
         value = getattr(request, name)
         if value is not None:
@@ -266,6 +273,7 @@ def check_request(
                 prompt_len=n,
                 max_tokens=sp.max_tokens,
                 max_model_len=max_model_len,
+                field="sampling_params.max_tokens",
             )
 
 
@@ -327,7 +335,10 @@ def check_tokenspeed_request(
             context is *not* refused: TokenSpeed clamps it to the context.
     """
     rid = request.rid
-    prompt = _check_id_and_prompt(rid, request.input_ids, "input_ids", vocab_size, max_id=limits.MAX_TOKEN_ID)
+    if isinstance(request.multimodal_inputs, ts.MultimodalInputs):
+        prompt = _check_tokenspeed_mm_prompt(request, vocab_size)
+    else:
+        prompt = _check_id_and_prompt(rid, request.input_ids, "input_ids", vocab_size, max_id=limits.MAX_TOKEN_ID)
     sp = request.sampling_params
     if not isinstance(sp, ts.TokenSpeedSamplingParams):
         raise _reject(rid, "sampling_params", f"must be TokenSpeedSamplingParams, got {type(sp).__name__}")
@@ -353,7 +364,7 @@ def check_tokenspeed_request(
             if not _is_num(bias):
                 raise _reject(rid, "sampling_params.logit_bias", f"bias for token {key} must be finite, got {bias!r}")
     if sp.json_schema is not None:
-        _check_json_text(rid, "sampling_params.json_schema", sp.json_schema)
+        check_json_text(rid, "sampling_params.json_schema", sp.json_schema)
     for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
         if getattr(request, name) is not None:
             raise _reject(rid, name, "PD disaggregation is not supported over the ZMQ transport")
@@ -372,10 +383,38 @@ def check_tokenspeed_request(
             prompt_len=len(prompt),
             max_tokens=None,
             max_model_len=max_model_len,
+            field="input_ids",
         )
 
 
-def _check_json_text(rid: str, field: str, text: str) -> None:
+def _check_tokenspeed_mm_prompt(request: ts.TokenizedGenerateReqInput, vocab_size: int | None) -> Sequence[int]:
+    """A multimodal TokenSpeed prompt: the items encode (``to_wire``), ``input_ids_unpadded``
+    holds vocabulary ids and ``input_ids`` is exactly it with each item's ranges set to the
+    item's ``pad_value`` (ids past the vocabulary, which the engine's embedder overwrites),
+    the ranges inside the prompt and apart. Returns ``input_ids``."""
+    rid = request.rid
+    mm = request.multimodal_inputs
+    unpadded = _check_id_and_prompt(rid, request.input_ids_unpadded, "input_ids_unpadded", vocab_size,
+                                    max_id=limits.MAX_TOKEN_ID)
+    prompt = _check_id_and_prompt(rid, request.input_ids, "input_ids", None, max_id=limits.MAX_TOKEN_ID)
+    if len(prompt) != len(unpadded):
+        raise _reject(rid, "input_ids_unpadded", f"{len(unpadded)} ids for an input_ids of {len(prompt)}")
+    try:
+        _ts_mm_to_wire(mm)  # what the encoder would refuse (hash, pad_value, tensors...), no copy
+        expected = ts.pad_input_ids(unpadded, mm)
+    except LocalProtocolError as exc:
+        field, _, why = str(exc).partition(": ")
+        raise RequestRejected(str(exc), request_id=rid, field=field or "multimodal_inputs") from None
+    if tuple(prompt) != expected:
+        first = next(i for i, (a, b) in enumerate(zip(prompt, expected)) if a != b)
+        raise _reject(rid, "input_ids", f"element {first} is {prompt[first]}, expected {expected[first]}: input_ids "
+                      "must be input_ids_unpadded with each item's offsets set to its pad_value")
+    return prompt
+
+
+def check_json_text(rid: str, field: str, text: str) -> None:
+    """Refuse *text* (the request's *field*) unless it is JSON nesting at most
+    :data:`zmqdispatch.limits.MAX_JSON_NESTING` levels (``RequestRejected``)."""
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):

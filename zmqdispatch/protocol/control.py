@@ -52,7 +52,9 @@ __all__ = [
     "ControlCall",
     "LoRARequest",
     "PauseMode",
+    "SGLANG_CONTROL_CALLS",
     "add_lora",
+    "flush_cache",
     "collective_rpc",
     "is_scheduler_paused",
     "is_sleeping",
@@ -66,6 +68,8 @@ __all__ = [
     "resume_generation",
     "resume_scheduler",
     "sleep",
+    "start_profile",
+    "stop_profile",
     "wake_up",
 ]
 
@@ -78,6 +82,9 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 #: and drops the KV cache; 2 drops all device memory (needs an engine started
 #: with ``enable_sleep_mode``).
 SLEEP_LEVELS: tuple[int, ...] = (0, 1, 2)
+
+#: The CONTROL methods the SGLang plugin maps onto the scheduler's own requests.
+SGLANG_CONTROL_CALLS: tuple[str, ...] = ("flush_cache", "start_profile", "stop_profile")
 
 #: the parsed result type of a :class:`ControlCall`
 R = TypeVar("R")
@@ -164,6 +171,12 @@ class LoRARequest:
 
 
 def _require(version: EngineVersion, name: str, since: tuple[int, int] | None = None, hint: str = "") -> None:
+    if version.runtime == "sglang":
+        raise UnsupportedByRuntimeError(
+            f"{name}: the {version.engine_name} scheduler does not answer it (its control calls: "
+            f"{', '.join(SGLANG_CONTROL_CALLS)})",
+            runtime="sglang",
+        )
     if version.runtime != "vllm":
         raise UnsupportedByRuntimeError(
             f"{name}: the {version.engine_name} scheduler has no control plane (its direct wire has only ADD "
@@ -442,3 +455,84 @@ def profile(
             raise TypeError("profiler_kwargs: expected a mapping with str keys or None")
         args.append(dict(profiler_kwargs))
     return ControlCall("profile", "profile", _trim(args), _none("profile"))
+
+
+# ---------------------------------------------------------------------- SGLang (CONTROL calls)
+#
+# An SGLang scheduler answers CONTROL ``[call_id, method, args]`` with
+# ``ControlReplySlim(call_id, success, message)``: success gives the message (often
+# empty) as the result, failure a UtilityCallError carrying it. The plugin turns
+# the three methods below into the scheduler's FlushCacheReqInput and ProfileReq.
+
+
+def _require_sglang(version: EngineVersion, name: str) -> None:
+    if version.runtime != "sglang":
+        raise UnsupportedByRuntimeError(
+            f"{name}: a control call of SGLang schedulers; the engine is {version.engine_name}",
+            runtime=version.runtime,
+        )
+
+
+def _message(name: str) -> Callable[[Any], str | None]:
+    def parse(v: Any) -> str | None:
+        if v is not None and not isinstance(v, str):
+            raise RemoteProtocolError(f"{name}: expected a message str, got {type(v).__name__}")
+        return v
+
+    return parse
+
+
+def flush_cache(version: EngineVersion, timeout_s: float = 0.0) -> ControlCall[str | None]:
+    """SGLang ``flush_cache(timeout_s)``: drop the radix (prefix) cache; with
+    *timeout_s* > 0 the scheduler waits up to that long for running requests to
+    finish first. Result: the scheduler's message (``UtilityCallError`` when it
+    could not flush, e.g. requests still running)."""
+    _require_sglang(version, "flush_cache")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < float("inf"):
+        raise ValueError(f"timeout_s: expected seconds >= 0, got {timeout_s!r}")
+    return ControlCall("flush_cache", "flush_cache", (float(timeout_s),), _message("flush_cache"))
+
+
+def start_profile(
+    version: EngineVersion,
+    *,
+    output_dir: str | None = None,
+    start_step: int | None = None,
+    num_steps: int | None = None,
+    activities: Sequence[str] | None = None,
+    with_stack: bool | None = None,
+    record_shapes: bool | None = None,
+    profile_by_stage: bool = False,
+    profile_id: str | None = None,
+) -> ControlCall[str | None]:
+    """SGLang ``start_profile(options)``: start the torch profiler (``ProfileReq``
+    START). Options left ``None`` are not sent (the scheduler's environment defaults
+    apply: ``SGLANG_PROFILE_WITH_STACK``, ``SGLANG_PROFILE_RECORD_SHAPES``).
+    *activities*: e.g. ``["CPU", "GPU"]``. Result: the scheduler's message."""
+    _require_sglang(version, "start_profile")
+    options: dict[str, Any] = {}
+    for name, value in (("output_dir", output_dir), ("profile_id", profile_id)):
+        if value is not None:
+            _check_str(name, value)
+            options[name] = value
+    for name, count, minimum in (("start_step", start_step, 0), ("num_steps", num_steps, 1)):
+        if count is not None:
+            options[name] = _opt_int(name, count, minimum)
+    if activities is not None:
+        if isinstance(activities, (str, bytes)) or not isinstance(activities, Sequence):
+            raise TypeError(f"activities: expected a sequence of str, got {type(activities).__name__}")
+        for a in activities:
+            _check_str("activities[]", a)
+        options["activities"] = list(activities)
+    for name, flag in (("with_stack", with_stack), ("record_shapes", record_shapes)):
+        if flag is not None:
+            options[name] = _flag(name, flag)
+    if profile_by_stage:
+        options["profile_by_stage"] = _flag("profile_by_stage", profile_by_stage)
+    return ControlCall("start_profile", "start_profile", (options,), _message("start_profile"))
+
+
+def stop_profile(version: EngineVersion) -> ControlCall[str | None]:
+    """SGLang ``stop_profile()``: stop the profiler and write the trace. Result: the message."""
+    _require_sglang(version, "stop_profile")
+    return ControlCall("stop_profile", "stop_profile", (), _message("stop_profile"))

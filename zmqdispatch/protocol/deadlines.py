@@ -135,10 +135,10 @@ class TimedMailbox(Mailbox):
             self._tokens_at()
         return Mailbox.put(self, row, frames, timestamp)
 
-    def put_tokens(self, tokens: tuple[int, ...], *args: Any) -> int:
+    def put_tokens(self, tokens: tuple[int, ...], *args: Any, **kwargs: Any) -> int:
         if tokens:
             self._tokens_at()
-        return Mailbox.put_tokens(self, tokens, *args)
+        return Mailbox.put_tokens(self, tokens, *args, **kwargs)
 
 
 class DeadlineScheduler:

@@ -18,8 +18,10 @@ below are testable in microseconds without sockets:
 - **Engine-side ids.** A request travels under its own ``request_id`` unless
   the engine may still hold something under that id: outputs of an aborted
   predecessor still in flight (nothing on the wire marks their end), a
-  TokenSpeed parked ABORT, or another live request's engine-side id. Then it
-  gets a fresh engine-side id ``<request_id>~<n>`` (vLLM: the caller's id in
+  TokenSpeed parked ABORT, or another live request's engine-side id (SGLang:
+  also a live id that is a prefix of it, or that it is a prefix of). Then it
+  gets a fresh engine-side id ``<request_id>~<n>`` (SGLang ``~<n>~<request_id>``,
+  which no live id prefixes; vLLM: the caller's id in
   ``external_req_id``, as vLLM's own front end suffixes ids); its stream still
   reports ``request_id``, and late outputs of the old one are dropped as
   unknown instead of reaching it.
@@ -53,10 +55,20 @@ below are testable in microseconds without sockets:
   that time travels under a fresh engine-side id
   (:data:`zmqdispatch.limits.TOKENSPEED_ABORT_PARK_SECONDS`);
   the latest piggybacked load snapshot is kept in :attr:`EngineProtocol.load`.
+  SGLang specifics (``docs/sglang.md``): utility calls travel as CONTROL
+  ``[call_id, method, args]`` and are answered by a ``ControlReplySlim``; an
+  unrequested terminal ``"abort"`` fails the stream with its reason; the
+  scheduler aborts by rid *prefix*, so an ABORT of ``X`` would also stop a
+  live ``X...``: a link keeps its live engine-side ids prefix-free (no live id
+  is a prefix of another), and a request whose id would break that travels
+  under a fresh id ``~<n>~<request_id>`` ("Engine-side ids"; another first
+  character than ``~`` if ``"~"`` itself is live), so an ABORT
+  stops exactly the request it names.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -73,6 +85,7 @@ from ..errors import (
     RequestStreamClosed,
     UnsupportedByRuntimeError,
 )
+from ..wire import sglang as sg
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from .mailbox import Mailbox
@@ -87,6 +100,7 @@ __all__ = ["EngineProtocol", "Outgoing", "SendState", "PendingUtilityCall", "Lin
 _ADD = bytes([wire.RequestType.ADD])
 _ABORT = bytes([wire.RequestType.ABORT])
 _UTILITY = bytes([wire.RequestType.UTILITY])
+_CONTROL = sg.RequestType.CONTROL.frame
 
 _log = logging.getLogger("zmqdispatch.protocol")
 _DEBUG = logging.DEBUG
@@ -142,6 +156,9 @@ class EngineProtocol(OutputRouting):
         # engine-side ids this link aborted, most recent last (MAX_ABORTED_IDS)
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._wire_seq = itertools.count(1)
+        # SGLang: the engine-side ids submitted, sorted (retired ones are dropped
+        # when next met, or in a sweep): finds the live ids a new one prefixes
+        self._wire_sorted: list[str] = []
         self._outbox: deque[Outgoing] = deque()
         self._pending_aborts: dict[str, None] = {}
         self._utility: dict[int, PendingUtilityCall] = {}
@@ -170,7 +187,7 @@ class EngineProtocol(OutputRouting):
         self.renamed_requests = 0  # requests sent under a fresh engine-side id
         self.last_decode_error: RemoteProtocolError | None = None
         #: TokenSpeed: the newest load snapshot piggybacked on an output batch.
-        self.load: ts.LoadSnapshot | None = None
+        self.load: ts.LoadSnapshot | sg.SGLangLoad | None = None
         # TokenSpeed: request id -> monotonic time until which the engine holds a
         # parked ABORT for it (oldest first; bounded by MAX_PARKED_ABORT_IDS).
         self._parked: OrderedDict[str, float] = OrderedDict()
@@ -278,7 +295,9 @@ class EngineProtocol(OutputRouting):
         rid = runtime.request_id(request)
         self.check_request_id(rid)
         wire_id = rid
-        if self._held_by_engine(rid):
+        sglang = runtime is Runtime.SGLANG
+        held = self._held_by_engine(rid)
+        if held or (sglang and self._prefix_clash(rid)):
             wire_id = self._fresh_wire_id(rid)
             request = runtime.with_request_id(request, wire_id)
         out = Outgoing([self.identity, _ADD], wire_id, request=request)
@@ -286,8 +305,10 @@ class EngineProtocol(OutputRouting):
         mb.add = out
         mb.wire_id = wire_id
         if wire_id is not rid:
-            self._add_renamed(rid, wire_id)
+            self._add_renamed(rid, wire_id, held)
         self._requests[wire_id] = mb
+        if sglang:
+            self._add_sorted(wire_id)
         self._outbox.append(out)
         self.stats.submitted(wire_id, mb, self.timer(), len(self._requests))
         if _log.isEnabledFor(_DEBUG):
@@ -306,12 +327,12 @@ class EngineProtocol(OutputRouting):
             raise DuplicateRequestIdError(
                 f"request_id {request_id!r} is already live on engine {self.engine_index}; "
                 + ("vLLM's scheduler would abort the whole engine on a duplicate" if self.runtime is Runtime.VLLM
-                   else "TokenSpeed does not check ids: both streams would mix"),
+                   else f"the {self.runtime.engine_name} does not check ids: both streams would mix"),
                 request_id=request_id,
                 field="request_id",
             )
 
-    def _add_renamed(self, request_id: str, wire_id: str) -> None:
+    def _add_renamed(self, request_id: str, wire_id: str, held: bool) -> None:
         renamed = self._renamed
         if len(renamed) >= 2 * len(self._requests) + 64:
             # Entries of retired requests are dropped lazily (_live); sweep them
@@ -322,10 +343,14 @@ class EngineProtocol(OutputRouting):
             }
         renamed[request_id] = wire_id
         self.renamed_requests += 1
-        _log.warning(
-            "request %r: sent to engine %d as %r (the engine may still hold outputs or an ABORT under its id)",
-            request_id, self.engine_index, wire_id,
-        )
+        if held:
+            _log.warning(
+                "request %r: sent to engine %d as %r (the engine may still hold outputs or an ABORT under its id)",
+                request_id, self.engine_index, wire_id,
+            )
+        else:  # routine with ids such as "1" and "10"
+            _log.info("request %r: sent to engine %d as %r (SGLang aborts by rid prefix, and a live rid and this "
+                      "one prefix each other)", request_id, self.engine_index, wire_id)
 
     def _held_by_engine(self, wire_id: str) -> bool:
         """May the engine still hold something under *wire_id*: a live request
@@ -336,10 +361,50 @@ class EngineProtocol(OutputRouting):
         return bool(self._parked) and self._is_parked(wire_id)
 
     def _fresh_wire_id(self, request_id: str) -> str:
+        if self.runtime is Runtime.SGLANG:
+            # Not under the caller's id: a live id that prefixes it would prefix this
+            # one too. ``~<n>~`` heads differ before their second ``~``: prefix-free.
+            # Only a live id of the head alone prefixes every candidate: then another head.
+            head = next(c for c in itertools.chain("~#%", map(chr, itertools.count(0x100)))
+                        if c not in self._requests)
+            while True:
+                wire_id = f"{head}{next(self._wire_seq)}~{request_id}"
+                if not self._held_by_engine(wire_id) and not self._prefix_clash(wire_id):
+                    return wire_id
         while True:
             wire_id = f"{request_id}~{next(self._wire_seq)}"
             if not self._held_by_engine(wire_id):
                 return wire_id
+
+    def _prefix_clash(self, wire_id: str) -> bool:
+        """SGLang: would *wire_id* prefix a live engine-side id, or a live one
+        prefix it (an ABORT of the one would stop the other)?
+
+        The live ids starting with *wire_id* follow it in sorted order. As the
+        live ids are prefix-free, one that prefixes it is its nearest live
+        predecessor: any id sorted between a prefix and *wire_id* starts with
+        that prefix. O(log(live)) plus the retired entries met (dropped)."""
+        requests = self._requests
+        ids = self._wire_sorted
+        i = bisect.bisect_left(ids, wire_id)
+        while i < len(ids) and ids[i].startswith(wire_id):
+            if ids[i] in requests:
+                return True
+            del ids[i]  # retired
+        while i > 0:
+            i -= 1
+            before = ids[i]
+            if before in requests:
+                return wire_id.startswith(before)
+            del ids[i]
+        return False
+
+    def _add_sorted(self, wire_id: str) -> None:
+        ids = self._wire_sorted
+        if len(ids) >= 2 * len(self._requests) + 64:
+            ids[:] = sorted(self._requests)  # drop the retired ones; includes wire_id
+            return
+        bisect.insort(ids, wire_id)
 
     def _queue_abort(self, wire_id: str) -> None:
         """Put *wire_id* in the next ABORT frame and remember it as aborted
@@ -561,7 +626,8 @@ class EngineProtocol(OutputRouting):
     # ------------------------------------------------------------------ utility calls
 
     def start_utility(self, method: str, args: Iterable[Any] = (), *, client_index: int = 0) -> PendingUtilityCall:
-        """Queue a UTILITY call ``[client_index, call_id, method, args]``.
+        """Queue a UTILITY call ``[client_index, call_id, method, args]`` (SGLang: a
+        CONTROL ``[call_id, method, args]``; *client_index* is not sent).
 
         Raises:
             EngineDeadError: the engine is dead.
@@ -575,9 +641,12 @@ class EngineProtocol(OutputRouting):
             )
         self.check_alive()
         call = PendingUtilityCall(next(self._call_ids), method)
-        payload = wire.encode_utility_call(client_index, call.call_id, method, list(args))
+        if self.runtime is Runtime.SGLANG:
+            frames = [self.identity, _CONTROL, sg.encode_control(call.call_id, method, list(args))]
+        else:
+            frames = [self.identity, _UTILITY, wire.encode_utility_call(client_index, call.call_id, method, list(args))]
         self._utility[call.call_id] = call
-        self._outbox.append(Outgoing([self.identity, _UTILITY, payload]))
+        self._outbox.append(Outgoing(frames))
         self._wake_sender()
         return call
 

@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ..errors import EngineRequestError, RemoteProtocolError, SlowConsumerError
+from ..errors import EngineRequestError, MultiModalCacheMissError, RemoteProtocolError, SlowConsumerError
 from ..wire import vllm as wire
 
 __all__ = ["OutputDelta", "Mailbox", "PUT_MORE", "PUT_FINISHED", "PUT_OVERFLOW"]
@@ -281,8 +281,12 @@ class Mailbox:
         logprob_ids: tuple[int, ...],
         num_prompt_tokens: int | None,
         num_cached_tokens: int | None,
+        *,
+        top_vals: tuple[tuple[float, ...], ...] | None = None,
+        top_ids: tuple[tuple[int, ...], ...] | None = None,
+        stop_reason: int | str | None = None,
     ) -> int:
-        """Merge one TokenSpeed output (one column slice of ``BatchTokenIDOutSlim``).
+        """Merge one TokenSpeed or SGLang output (one column slice of its batch).
 
         Args:
             tokens: this frame's new token ids.
@@ -292,6 +296,9 @@ class Mailbox:
                 token, or empty when the request did not ask; become one-column
                 ``logprobs`` rows (``ranks`` stay empty: TokenSpeed sends none).
             num_prompt_tokens / num_cached_tokens: the engine's counts when > 0.
+            top_vals / top_ids: SGLang's ranked candidates per token (``()`` when not
+                asked); each logprob row becomes the sampled token then these.
+            stop_reason: the stop token id or string SGLang named (terminal only).
 
         Returns:
             ``PUT_MORE``, ``PUT_FINISHED`` or ``PUT_OVERFLOW``.
@@ -315,9 +322,19 @@ class Mailbox:
             d.ticks += 1
         self.pending_tokens += len(tokens)
         if logprob_vals:
-            lists = wire.LogprobsLists(
-                token_ids=[[t] for t in logprob_ids], logprobs=[[v] for v in logprob_vals], ranks=[]
-            )
+            if top_vals:
+                if top_ids is None or len(top_vals) != len(logprob_vals):
+                    raise RemoteProtocolError(
+                        f"request {self.request_id!r}: {len(top_vals)} top-logprob rows for {len(logprob_vals)} tokens"
+                    )
+                lists = wire.LogprobsLists(
+                    token_ids=[[t, *c] for t, c in zip(logprob_ids, top_ids)],
+                    logprobs=[[v, *c] for v, c in zip(logprob_vals, top_vals)], ranks=[],
+                )
+            else:
+                lists = wire.LogprobsLists(
+                    token_ids=[[t] for t in logprob_ids], logprobs=[[v] for v in logprob_vals], ranks=[]
+                )
             d.logprobs = _extend_lists(d.logprobs, lists)
         if num_prompt_tokens is not None:
             d.num_prompt_tokens = num_prompt_tokens
@@ -325,6 +342,8 @@ class Mailbox:
             d.num_cached_tokens = num_cached_tokens
         if finish is not None:
             d.finish_reason = finish
+            if stop_reason is not None:
+                d.stop_reason = stop_reason
             self.finished = True
             self._wake()
             return PUT_FINISHED
@@ -373,6 +392,12 @@ class Mailbox:
     def _put_engine_error(self, row: wire.EngineCoreOutputRow) -> None:
         code = retryable = None
         message = "engine finished the request with an error (see engine logs)"
+        miss = row.mm_cache_miss_hashes
+        if type(miss) in (list, tuple) and miss and all(type(h) is str for h in miss):
+            self.fail(MultiModalCacheMissError(
+                f"request {self.request_id!r}: the engine's multimodal cache misses {miss}: resend with data",
+                request_id=self.request_id, mm_hashes=tuple(miss)))
+            return
         err = row.error
         if isinstance(err, dict):
             code = err.get("code") if isinstance(err.get("code"), str) else None

@@ -202,7 +202,7 @@ class Placement:
     def _pinned(self, records: dict[int, EngineRecord], rank: Any, request_id: str) -> EngineRecord:
         if type(rank) is not int or rank not in records:
             raise RequestRejected(
-                f"data_parallel_rank {rank!r} is not an engine of this client; valid ranks: "
+                f"data_parallel_rank: {rank!r} is not an engine of this client; valid ranks: "
                 f"{format_ranks(records)}",
                 request_id=request_id,
                 field="data_parallel_rank",

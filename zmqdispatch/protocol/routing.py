@@ -15,8 +15,10 @@ output message reaches the requests' mailboxes, mixed into
   TokenSpeed finish of an unknown id notes a parked ABORT. TokenSpeed's
   ``"abort"`` / ``"error"`` finishes fail the stream with a typed error.
 - **Load.** A load report (vLLM ``scheduler_stats``, TokenSpeed's piggybacked
-  snapshot) goes to ``on_load`` before the rows of its message.
-- **Utility replies** settle their :class:`~.messages.PendingUtilityCall`.
+  snapshot, SGLang's load tail in tokens) goes to ``on_load`` before the rows
+  of its message. SGLang's ``"abort"`` fails the stream with its reason and status.
+- **Utility replies** (SGLang: ``ControlReplySlim``) settle their
+  :class:`~.messages.PendingUtilityCall`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..errors import (
     RemoteProtocolError,
     UtilityCallError,
 )
+from ..wire import sglang as sg
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from .mailbox import PUT_MORE, PUT_OVERFLOW, Mailbox
@@ -75,7 +78,7 @@ class OutputRouting:
     max_decode_errors: int
     on_retired: Callable[[Mailbox], None] | None
     on_load: Callable[[Any, float | None], None] | None
-    load: ts.LoadSnapshot | None
+    load: ts.LoadSnapshot | sg.SGLangLoad | None
     unknown_outputs: int
     decode_errors: int
     decode_error_streak: int
@@ -116,6 +119,8 @@ class OutputRouting:
         try:
             if self.runtime is Runtime.VLLM:
                 msg = wire.decode_outputs(frames)
+            elif self.runtime is Runtime.SGLANG:
+                sgl = sg.decode_outputs(frames)
             else:
                 batch = ts.decode_outputs(frames)
         except RemoteProtocolError as exc:
@@ -149,6 +154,11 @@ class OutputRouting:
         self.decode_error_streak = 0
         if self.runtime is Runtime.VLLM:
             self._route(msg, frames)
+        elif self.runtime is Runtime.SGLANG:
+            if isinstance(sgl, sg.ControlReply):
+                self._control_reply(sgl)
+            else:
+                self._route_sglang(sgl)
         else:
             self._route_tokenspeed(batch)
 
@@ -170,20 +180,11 @@ class OutputRouting:
             except RemoteProtocolError as exc:
                 # This request's logprobs do not decode: fail it alone.
                 mb.fail(exc)
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
+                self._retire(rid, mb)
                 (to_abort := to_abort or []).append(rid)
                 continue
-            if status != PUT_MORE:
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-                if status == PUT_OVERFLOW:
-                    self._slow_consumer(mb)
-                    (to_abort := to_abort or []).append(rid)
-                else:
-                    self.stats.count_finish(mb)
+            if status != PUT_MORE and self._put_ended(rid, mb, status):
+                (to_abort := to_abort or []).append(rid)
         if msg.outputs:
             self.stats.routed(msg.outputs, len(msg.outputs) - (self.unknown_outputs - unknown), self.now)
         if msg.bad_rows:
@@ -264,9 +265,7 @@ class OutputRouting:
                 )
             except RemoteProtocolError as exc:
                 mb.fail(exc)
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
+                self._retire(rid, mb)
                 (to_abort := to_abort or []).append(rid)
                 continue
             if reason and finish is None:
@@ -285,24 +284,101 @@ class OutputRouting:
                     mb.fail(EngineRequestError(
                         f"request {mb.request_id!r}: engine finished the request with an error (see engine logs)",
                         request_id=mb.request_id))
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-            elif status != PUT_MORE:
-                del requests[rid]
-                if self.on_retired is not None:
-                    self.on_retired(mb)
-                if status == PUT_OVERFLOW:
-                    self._slow_consumer(mb)
-                    (to_abort := to_abort or []).append(rid)
-                else:
-                    self.stats.count_finish(mb)
+                self._retire(rid, mb)
+            elif status != PUT_MORE and self._put_ended(rid, mb, status):
+                (to_abort := to_abort or []).append(rid)
         if batch.rids:
             self.stats.routed(batch.rids, len(batch.rids) - (self.unknown_outputs - unknown), self.now)
         if to_abort:
             for rid in to_abort:
                 self._queue_abort(rid)
             self._wake_sender()
+
+    def _control_reply(self, reply: sg.ControlReply) -> None:
+        call = self._utility.pop(reply.call_id, None)
+        if call is None:
+            return  # timed out or cancelled: forgotten
+        if reply.success:
+            call.result = reply.message
+        else:
+            call.error = UtilityCallError(
+                f"control call {call.method!r} failed on engine {self.engine_index}: "
+                f"{reply.message or 'no reason given'}", engine_index=self.engine_index)
+        call.settle()
+
+    def _route_sglang(self, batch: sg.SGLangBatch) -> None:
+        """Route one SGLang ``BatchTokenIDSlimOutput`` (columns parallel to ``rids``)."""
+        load = batch.load
+        if load is not None:
+            self.load = load
+            if self.on_load is not None:
+                self.on_load(load, None)
+        requests = self._requests
+        to_abort: list[str] | None = None
+        unknown = self.unknown_outputs
+        tops = batch.top_logprob_vals
+        for i, rid in enumerate(batch.rids):
+            mb = requests.get(rid)
+            if mb is None:
+                self.unknown_outputs += 1
+                continue
+            reason = batch.finished_reasons[i]
+            if reason == "abort":
+                done = batch.completion_tokens[i]
+                status = batch.finished_status[i] if batch.finished_status is not None else None
+                why = batch.finished_messages[i] or "no reason given"
+                what = "refused the request" if status == 400 else f"aborted the request after {done} tokens"
+                mb.fail(EngineAbortedRequest(
+                    f"request {mb.request_id!r}: the {self.runtime.engine_name} {what}: {why}"
+                    + (f" (status {status})" if status is not None else ""),
+                    request_id=mb.request_id, tokens_before_abort=done, status=status))
+                self._retire(rid, mb)
+                continue
+            finish = None
+            if reason:
+                finish = _TS_FINISH.get(reason)
+                if finish is None:
+                    self.unknown_finish_reasons += 1  # a newer reason: a stop, as the reference gateway reads it
+                    finish = wire.FinishReason.STOP
+            prompt = batch.prompt_tokens[i]
+            cached = batch.cached_tokens[i]
+            try:
+                status_put = PUT_MORE if finish is None and not batch.output_ids[i] else mb.put_tokens(
+                    batch.output_ids[i], finish, batch.logprob_vals[i], batch.logprob_ids[i],
+                    prompt if prompt > 0 else None, cached if cached > 0 else None,
+                    top_vals=tops[i] if tops is not None else None,
+                    top_ids=batch.top_logprob_ids[i] if batch.top_logprob_ids is not None else None,
+                    stop_reason=batch.finished_matched[i] if finish is not None else None,
+                )
+            except RemoteProtocolError as exc:
+                mb.fail(exc)
+                self._retire(rid, mb)
+                (to_abort := to_abort or []).append(rid)
+                continue
+            if status_put != PUT_MORE and self._put_ended(rid, mb, status_put):
+                (to_abort := to_abort or []).append(rid)
+        if batch.rids:
+            self.stats.routed(batch.rids, len(batch.rids) - (self.unknown_outputs - unknown), self.now)
+        if to_abort:
+            for rid in to_abort:
+                self._queue_abort(rid)
+            self._wake_sender()
+
+    def _retire(self, rid: str, mb: Mailbox) -> None:
+        """Stop routing to *rid* (its mailbox has ended or failed)."""
+        del self._requests[rid]
+        if self.on_retired is not None:
+            self.on_retired(mb)
+
+    def _put_ended(self, rid: str, mb: Mailbox, status: int) -> bool:
+        """Retire *rid*, whose last put ended its mailbox (finished, or
+        overflowed: a slow consumer). True: abort it on the engine."""
+        self._retire(rid, mb)
+        if status == PUT_OVERFLOW:
+            self._slow_consumer(mb)
+            return True
+        self.stats.count_finish(mb)
+        return False
 
     def _slow_consumer(self, mb: Mailbox) -> None:
         self.stats.slow_consumers += 1
@@ -319,9 +395,7 @@ class OutputRouting:
             entry = requests.get(rid)
             if entry is None or entry.add.state is SendState.QUEUED:
                 continue
-            del requests[rid]
-            if self.on_retired is not None:
-                self.on_retired(entry)
+            self._retire(rid, entry)
             entry.fail(RemoteProtocolError(f"request {entry.request_id!r}: undecodable engine output: {exc}"))
             if self.state is LinkState.READY:
                 self._queue_abort(rid)

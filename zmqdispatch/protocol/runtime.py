@@ -1,6 +1,6 @@
 """Which engine is on the other end of a connection: :class:`Runtime` (sans-IO).
 
-One transport, two engine dialects. Both engines dial the same three sockets
+One transport, three engine dialects. Every engine dials the same three sockets
 and run the same HELLO / INIT / READY handshake; what differs is the payload
 of an ADD, the shape of an output message, and a few behaviours:
 
@@ -19,6 +19,13 @@ how to tell                 any other ``vllm_version``       ready ``vllm_versio
                                                              ``"tokenspeed-<version>"``
 ==========================  ===============================  ==================================
 
+An SGLang scheduler (SGLang 0.5.21 behind the SGLang plugin, ``docs/sglang.md``):
+request type ``wire.sglang.TokenizedGenerateReqInput``; output ``BatchTokenIDSlimOutput``
+(columns) and ``ControlReplySlim``; input types ADD, ABORT, CONTROL; a client ABORT
+produces no further output; a refused request ends in a terminal ``"abort"`` carrying
+the reason and status 400; the stop token is in ``output_ids`` and named in
+``finished_matched``; told apart by ``vllm_version = "sglang-<version>"``.
+
 Every "which engine is this?" answer in zmqdispatch comes from the connection's
 :class:`Runtime` (decided from the engine's own ready response, or pinned by the
 caller and then checked against it), never from a constant.
@@ -32,28 +39,33 @@ from typing import Any
 import attrs
 
 from ..errors import EngineHandshakeError, LocalProtocolError, RequestRejected, RuntimeMismatchError
+from ..wire import sglang as sg
 from ..wire import tokenspeed as ts
 from ..wire import vllm as wire
 from ..wire import vllm_handshake as handshake
-from . import checks
+from . import checks, checks_sglang
 
 __all__ = ["Runtime"]
 
 
 class Runtime(enum.Enum):
-    """The engine dialect of one connection (``"vllm"`` or ``"tokenspeed"``)."""
+    """The engine dialect of one connection (``"vllm"``, ``"tokenspeed"`` or ``"sglang"``)."""
 
     VLLM = "vllm"
     TOKENSPEED = "tokenspeed"
+    SGLANG = "sglang"
 
     @classmethod
     def of_ready_response(cls, ready: handshake.EngineCoreReadyResponse) -> Runtime:
         """The runtime that sent this ready response.
 
         TokenSpeed announces itself with ``vllm_version = "tokenspeed-<version>"``
-        (``docs/tokenspeed-wire.md`` §1.4); anything else is a vLLM EngineCore.
+        (``docs/tokenspeed-wire.md`` §1.4), an SGLang scheduler with
+        ``"sglang-<version>"`` (``docs/sglang.md``); anything else is a vLLM EngineCore.
         """
-        return cls.TOKENSPEED if ts.is_tokenspeed(ready) else cls.VLLM
+        if ts.is_tokenspeed(ready):
+            return cls.TOKENSPEED
+        return cls.SGLANG if sg.is_sglang(ready) else cls.VLLM
 
     @classmethod
     def resolve(cls, expected: Runtime | str | None, ready: handshake.EngineCoreReadyResponse) -> Runtime:
@@ -76,24 +88,25 @@ class Runtime(enum.Enum):
     @property
     def engine_name(self) -> str:
         """Human name of the engine, for messages."""
-        return "vLLM EngineCore" if self is Runtime.VLLM else "TokenSpeed scheduler"
+        return _ENGINE_NAMES[self]
 
     @property
     def request_class(self) -> type:
         """The request type this runtime takes on its wire."""
-        return wire.EngineCoreRequest if self is Runtime.VLLM else ts.TokenizedGenerateReqInput
+        return _REQUEST_CLASSES[self]
 
     @property
     def supports_utility_calls(self) -> bool:
-        """vLLM has UTILITY messages; TokenSpeed's direct wire has only ADD and ABORT."""
-        return self is Runtime.VLLM
+        """vLLM has UTILITY messages and SGLang CONTROL calls (answered by
+        ``ControlReplySlim``); TokenSpeed's direct wire has only ADD and ABORT."""
+        return self is not Runtime.TOKENSPEED
 
     @property
     def names_stop_token(self) -> bool:
-        """Whether the engine says which stop token ended a request (vLLM's
-        ``stop_reason``); TokenSpeed's ``"stop"`` finish does not, but it always
-        ends on that token."""
-        return self is Runtime.VLLM
+        """Whether the engine says which stop ended a request (vLLM's
+        ``stop_reason``, SGLang's ``finished_matched``); TokenSpeed's ``"stop"``
+        finish does not, but it always ends on that token."""
+        return self is not Runtime.TOKENSPEED
 
     # ------------------------------------------------------------------ requests
 
@@ -106,7 +119,7 @@ class Runtime(enum.Enum):
         """*request* under the engine-side id *wire_id* (see
         ``EngineProtocol.submit``). vLLM: ``request_id`` replaced and the
         caller's id kept in ``external_req_id`` (as vLLM's own front end does
-        when it suffixes ids), unless one was set; TokenSpeed: ``rid`` replaced."""
+        when it suffixes ids), unless one was set; TokenSpeed and SGLang: ``rid`` replaced."""
         if self is Runtime.VLLM:
             external = request.external_req_id if request.external_req_id is not None else request.request_id
             return attrs.evolve(request, request_id=wire_id, external_req_id=external)
@@ -119,8 +132,8 @@ class Runtime(enum.Enum):
             RuntimeMismatchError: *request* is not this runtime's request type.
         """
         if not isinstance(request, self.request_class):
-            other = Runtime.TOKENSPEED if self is Runtime.VLLM else Runtime.VLLM
-            built_for = f" (built for the {other.engine_name})" if isinstance(request, other.request_class) else ""
+            other = next((r for r in Runtime if isinstance(request, r.request_class)), None)
+            built_for = f" (built for the {other.engine_name})" if other is not None else ""
             rid = getattr(request, "request_id", None) or getattr(request, "rid", None) or ""
             raise RuntimeMismatchError(
                 f"a {type(request).__name__}{built_for} cannot be sent to a {self.engine_name}: "
@@ -147,6 +160,8 @@ class Runtime(enum.Enum):
         if self is Runtime.VLLM:
             checks.check_request(request, max_model_len=max_model_len, vocab_size=vocab_size,
                                  max_logprobs=max_logprobs)
+        elif self is Runtime.SGLANG:
+            checks_sglang.check_request(request, max_model_len=max_model_len, vocab_size=vocab_size)
         else:
             checks.check_tokenspeed_request(request, max_model_len=max_model_len, vocab_size=vocab_size)
 
@@ -161,8 +176,17 @@ class Runtime(enum.Enum):
         try:
             if self is Runtime.VLLM:
                 return wire.encode_request(request)
+            if self is Runtime.SGLANG:
+                return sg.encode_add(request)
             return ts.encode_add(request)
         except LocalProtocolError as exc:
             raise RequestRejected(
                 f"request cannot be encoded for the {self.engine_name}: {exc}", request_id=self.request_id(request)
             ) from exc
+
+
+_ENGINE_NAMES = {Runtime.VLLM: "vLLM EngineCore", Runtime.TOKENSPEED: "TokenSpeed scheduler",
+                 Runtime.SGLANG: "SGLang scheduler"}
+_REQUEST_CLASSES: dict[Runtime, type] = {Runtime.VLLM: wire.EngineCoreRequest,
+                                         Runtime.TOKENSPEED: ts.TokenizedGenerateReqInput,
+                                         Runtime.SGLANG: sg.TokenizedGenerateReqInput}

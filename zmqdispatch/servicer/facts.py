@@ -22,8 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as sg_pb
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as ts_pb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
+
+from ..protocol.checks import TOKENSPEED_CONTEXT_RESERVE
 
 __all__ = [
     "EngineLoadRow",
@@ -160,7 +163,7 @@ def vllm_model_info(facts: ModelFacts, max_model_len: int) -> vllm_pb.GetModelIn
         eos_token_ids=[i for i in facts.eos_token_ids if i <= _I32_MAX],
         pad_token_id=min(facts.pad_token_id or 0, _I32_MAX),
         bos_token_id=min(facts.bos_token_id or 0, _I32_MAX),
-        max_req_input_len=min(max_model_len, _I32_MAX),
+        max_req_input_len=min(max(max_model_len - 1, 0), _I32_MAX),  # the prompt must leave room for a token
     )
 
 
@@ -174,7 +177,7 @@ def tokenspeed_model_info(facts: ModelFacts, max_model_len: int) -> ts_pb.GetMod
         model_type=facts.model_type,
         architectures=facts.architectures,
         max_context_length=ctx,
-        max_req_input_len=ctx,
+        max_req_input_len=max(ctx - TOKENSPEED_CONTEXT_RESERVE, 0),  # the longest prompt TokenSpeed takes
         vocab_size=min(facts.vocab_size or 0, _I32_MAX),
         eos_token_ids=[i for i in facts.eos_token_ids if i <= _I32_MAX],
         pad_token_id=min(facts.pad_token_id or 0, _I32_MAX),
@@ -277,43 +280,99 @@ def _selected(rows: Sequence[EngineLoadRow], dp_rank: int | None) -> Sequence[En
     return [r for r in rows if r.dp_rank == dp_rank]
 
 
+def _loads(pb: Any, rows: Sequence[EngineLoadRow], version: str, dp_rank: int | None, now: float | None, *,
+           aggregate: bool) -> Any:
+    """``GetLoadsResponse`` of the proto module *pb* (the three gateway protos
+    share these messages' fields): a ``SchedulerLoad`` per chosen engine, and
+    with *aggregate* their ``AggregateMetrics``."""
+    chosen = _selected(rows, dp_rank)
+    resp = pb.GetLoadsResponse(
+        timestamp=_timestamp(now),
+        version=version,
+        dp_rank_count=len(chosen),
+        loads=[pb.SchedulerLoad(
+            dp_rank=r.dp_rank, num_running_reqs=r.num_running_reqs, num_waiting_reqs=r.num_waiting_reqs,
+            num_total_reqs=min(r.num_total_reqs, _I32_MAX), token_usage=r.token_usage,
+        ) for r in chosen],
+    )
+    if aggregate and chosen:
+        resp.aggregate.CopyFrom(pb.AggregateMetrics(
+            total_running_reqs=min(sum(r.num_running_reqs for r in chosen), _I32_MAX),
+            total_waiting_reqs=min(sum(r.num_waiting_reqs for r in chosen), _I32_MAX),
+            total_reqs=min(sum(r.num_total_reqs for r in chosen), _I32_MAX),
+            avg_token_usage=sum(r.token_usage for r in chosen) / len(chosen),
+        ))
+    return resp
+
+
 def vllm_loads(rows: Sequence[EngineLoadRow], *, version: str, dp_rank: int | None = None,
                now: float | None = None) -> vllm_pb.GetLoadsResponse:
     """``vllm.grpc.engine.GetLoadsResponse``: one ``SchedulerLoad`` per engine
     (only *dp_rank*'s when given; ``include`` sections other than the core are
     not known here and add nothing). An engine without a report yet is there,
     zero-filled but for this servicer's running requests."""
-    chosen = _selected(rows, dp_rank)
-    return vllm_pb.GetLoadsResponse(
-        timestamp=_timestamp(now),
-        version=version,
-        dp_rank_count=len(chosen),
-        loads=[vllm_pb.SchedulerLoad(
-            dp_rank=r.dp_rank, num_running_reqs=r.num_running_reqs, num_waiting_reqs=r.num_waiting_reqs,
-            num_total_reqs=min(r.num_total_reqs, _I32_MAX), token_usage=r.token_usage,
-        ) for r in chosen],
-    )
+    resp: vllm_pb.GetLoadsResponse = _loads(vllm_pb, rows, version, dp_rank, now, aggregate=False)
+    return resp
 
 
 def tokenspeed_loads(rows: Sequence[EngineLoadRow], *, version: str, dp_rank: int | None = None,
                      now: float | None = None) -> ts_pb.GetLoadsResponse:
     """``tokenspeed.grpc.scheduler.GetLoadsResponse``: as :func:`vllm_loads`,
     plus the aggregate over the reported engines."""
-    chosen = _selected(rows, dp_rank)
-    resp = ts_pb.GetLoadsResponse(
-        timestamp=_timestamp(now),
-        version=version,
-        dp_rank_count=len(chosen),
-        loads=[ts_pb.SchedulerLoad(
-            dp_rank=r.dp_rank, num_running_reqs=r.num_running_reqs, num_waiting_reqs=r.num_waiting_reqs,
-            num_total_reqs=min(r.num_total_reqs, _I32_MAX), token_usage=r.token_usage,
-        ) for r in chosen],
+    resp: ts_pb.GetLoadsResponse = _loads(ts_pb, rows, version, dp_rank, now, aggregate=True)
+    return resp
+
+
+# --------------------------------------------------------------------------- sglang.grpc.scheduler
+
+
+def sglang_model_info(facts: ModelFacts, max_model_len: int) -> sg_pb.GetModelInfoResponse:
+    """``sglang.grpc.scheduler.GetModelInfoResponse`` (int32 lengths; a generation model)."""
+    ctx = min(max_model_len, _I32_MAX)
+    return sg_pb.GetModelInfoResponse(
+        model_path=facts.model_path or facts.served_model_name,
+        tokenizer_path=facts.tokenizer_path or "",
+        is_generation=True,
+        served_model_name=facts.served_model_name,
+        max_context_length=ctx,
+        vocab_size=min(facts.vocab_size or 0, _I32_MAX),
+        model_type=facts.model_type,
+        eos_token_ids=[i for i in facts.eos_token_ids if i <= _I32_MAX],
+        pad_token_id=min(facts.pad_token_id or 0, _I32_MAX),
+        bos_token_id=min(facts.bos_token_id or 0, _I32_MAX),
+        max_req_input_len=max(ctx - 1, 0),  # as SGLang's scheduler: context_len - 1
+        architectures=facts.architectures,
     )
-    if chosen:
-        resp.aggregate.CopyFrom(ts_pb.AggregateMetrics(
-            total_running_reqs=min(sum(r.num_running_reqs for r in chosen), _I32_MAX),
-            total_waiting_reqs=min(sum(r.num_waiting_reqs for r in chosen), _I32_MAX),
-            total_reqs=min(sum(r.num_total_reqs for r in chosen), _I32_MAX),
-            avg_token_usage=sum(r.token_usage for r in chosen) / len(chosen),
-        ))
+
+
+def sglang_server_info(*, active_requests: int, uptime_seconds: float, data_parallel_size: int, start_time: float,
+                       facts: ModelFacts, max_model_len: int, engine_version: str,
+                       last_receive_timestamp: float) -> sg_pb.GetServerInfoResponse:
+    """``sglang.grpc.scheduler.GetServerInfoResponse``: ``server_args`` carries what the
+    servicer was started with, ``sglang_version`` the schedulers' release."""
+    resp = sg_pb.GetServerInfoResponse(
+        active_requests=min(active_requests, _I32_MAX),
+        is_paused=False,
+        last_receive_timestamp=last_receive_timestamp,
+        uptime_seconds=uptime_seconds,
+        sglang_version=engine_version.removeprefix("sglang-"),
+        server_type="grpc",
+    )
+    resp.server_args.update({
+        "served_model_name": facts.served_model_name,
+        "model_path": facts.model_path or facts.served_model_name,
+        "context_length": max_model_len,
+        "dp_size": data_parallel_size,
+        "frontend": "zmqdispatch",
+    })
+    resp.start_time.FromNanoseconds(int(start_time * 1e9))
+    return resp
+
+
+def sglang_loads(rows: Sequence[EngineLoadRow], *, version: str, dp_rank: int | None = None,
+                 now: float | None = None) -> sg_pb.GetLoadsResponse:
+    """``sglang.grpc.scheduler.GetLoadsResponse``: as :func:`tokenspeed_loads` (the
+    token counts, ``num_used_tokens`` / ``max_total_num_tokens``, stay 0: the load
+    rows carry the usage fraction only)."""
+    resp: sg_pb.GetLoadsResponse = _loads(sg_pb, rows, version, dp_rank, now, aggregate=True)
     return resp

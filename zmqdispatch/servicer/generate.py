@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from ..protocol.mailbox import OutputDelta
+from ..translate import sglang as sg_translate
 from ..translate import tokenspeed as ts_translate
 from ..translate import vllm as vllm_translate
 from ..wire.vllm import FinishReason
@@ -33,7 +34,7 @@ class TranslateOptions:
     """What the translation of every request of the servicer shares.
 
     Attributes:
-        runtime: ``"vllm"`` or ``"tokenspeed"`` (which proto package and wire).
+        runtime: ``"vllm"``, ``"tokenspeed"`` or ``"sglang"`` (which proto package and wire).
         eos_token_ids: the model's EOS ids, primary first (vLLM: the engine has
             no tokenizer; without them it never stops at EOS).
         vocab_size: token ids at or past it are refused (``None``: not checked).
@@ -49,20 +50,28 @@ class TranslateOptions:
     tokenizer: Any = None
 
 
-def translate(req: Any, options: TranslateOptions, *, max_model_len: int, engine_index: int | None
-              ) -> list[vllm_translate.Translation] | list[ts_translate.Translation]:
+def translate(req: Any, options: TranslateOptions, *, max_model_len: int, engine_index: int | None,
+              mm_dtype: str | None = None
+              ) -> list[vllm_translate.Translation] | list[ts_translate.Translation] | list[sg_translate.Translation]:
     """One translation per sample of *req* (a ``GenerateRequest`` of the runtime's package).
+    *mm_dtype*: the dtype float32 multimodal tensors are cast to (vLLM: the engine's
+    model dtype, its ready response's ``dtype``; TokenSpeed: its encoder's,
+    :meth:`~.server.ServicerCore.mm_dtype`); None sends them as they are.
 
     Raises:
         RequestRejected: a field the wire cannot carry or out of range, named.
     """
+    if options.runtime == "sglang":  # the scheduler matches stop strings itself: no tokenizer needed
+        return sg_translate.translate_parallel(req, sg_translate.TranslationConfig(
+            max_model_len=max_model_len, vocab_size=options.vocab_size, engine_index=engine_index))
     if options.runtime == "tokenspeed":
         return ts_translate.translate_parallel(req, ts_translate.TranslationConfig(
             max_model_len=max_model_len, vocab_size=options.vocab_size, engine_index=engine_index,
-            tokenizer=options.tokenizer))
+            tokenizer=options.tokenizer, mm_dtype=mm_dtype))
     return vllm_translate.translate_parallel(req, vllm_translate.TranslationConfig(
         max_model_len=max_model_len, eos_token_ids=options.eos_token_ids, vocab_size=options.vocab_size,
-        max_logprobs=options.max_logprobs, engine_index=engine_index, tokenizer=options.tokenizer))
+        max_logprobs=options.max_logprobs, engine_index=engine_index, tokenizer=options.tokenizer,
+        mm_dtype=mm_dtype))
 
 
 class GenerateCall:

@@ -3,11 +3,13 @@ rule is in :mod:`.generate`, :mod:`.facts`, :mod:`.status`,
 :mod:`.tokenizer_zip`).
 
 :class:`ServicerCore` implements the RPCs over one :mod:`zmqdispatch.aio`
-client; :class:`VllmEngineServicer` (``vllm.grpc.engine.VllmEngine``) and
-:class:`TokenSpeedSchedulerServicer` (``tokenspeed.grpc.scheduler.TokenSpeedScheduler``)
-adapt it to each proto package. :func:`open_server` binds and starts a
+client; :class:`VllmEngineServicer` (``vllm.grpc.engine.VllmEngine``),
+:class:`TokenSpeedSchedulerServicer` (``tokenspeed.grpc.scheduler.TokenSpeedScheduler``) and
+:class:`SglangSchedulerServicer` (``sglang.grpc.scheduler.SglangScheduler``) adapt it to
+each proto package. :func:`open_server` binds and starts a
 ``grpc.aio`` server with the servicer, ``grpc.health.v1`` and reflection;
-:func:`serve` is the command: connect, serve, drain on SIGTERM / SIGINT.
+:func:`serve` is the command: connect, serve, drain on SIGTERM / SIGINT, or
+once every engine has been dead for ``engine_lost_grace`` (:class:`EnginesLost`).
 
 Cancellation: a Generate runs in the RPC's own task; a client cancel, a
 deadline, a disconnect or the end of the drain grace cancels that task, and
@@ -32,25 +34,31 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as sg_pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sg_grpc
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as ts_pb
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as ts_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from ..errors import RequestRejected, ZmqDispatchError
+from ..protocol.engines import EngineState
+from ..limits import DEFAULT_MAX_MM_BYTES
 from . import facts as facts_mod
 from .facts import ModelFacts
 from .generate import GenerateCall, TranslateOptions, translate
 from .status import status_of
 from .tokenizer_zip import TokenizerBundle
 
-__all__ = ["ServeOptions", "RunningServer", "ServicerCore", "TokenSpeedSchedulerServicer", "VllmEngineServicer",
-           "bind_server", "open_server", "serve"]
+__all__ = ["EnginesLost", "RunningServer", "ServeOptions", "ServicerCore", "SglangSchedulerServicer",
+           "TokenSpeedSchedulerServicer", "VllmEngineServicer",
+           "bind_server", "engines_lost", "open_server", "serve", "warn_at_startup", "watch_engines"]
 
 _log = logging.getLogger("zmqdispatch.servicer")
 
-#: gRPC message size limits of the server (a long prompt's ids, a tokenizer chunk).
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: gRPC's message cap: the largest multimodal payload translation takes
+#: (``limits.DEFAULT_MAX_MM_BYTES``) plus room for the rest of the request
+_MAX_MESSAGE_BYTES = DEFAULT_MAX_MM_BYTES + 16 * 1024 * 1024
 #: Seconds between liveness checks of a many-engine client for ``grpc.health.v1``
 #: (one engine: its death is awaited, no polling).
 _HEALTH_POLL_SECONDS = 1.0
@@ -68,6 +76,11 @@ class ServeOptions:
         bundle: the GetTokenizer ZIP (``None``: ``FAILED_PRECONDITION``).
         drain_grace: seconds in-flight streams get to finish after SIGTERM
             before they are cancelled (and aborted on the engine).
+        engine_lost_grace: :func:`serve`: seconds every engine may stay dead
+            (health ``NOT_SERVING``, Generate ``UNAVAILABLE``) for one to come
+            back, an engine started elsewhere dialing the handshake again,
+            before :func:`serve` drains and raises :class:`EnginesLost`.
+            ``None``: serve on, however long.
         version: GetLoads' ``version``.
     """
 
@@ -77,6 +90,7 @@ class ServeOptions:
     translate: TranslateOptions = TranslateOptions()
     bundle: TokenizerBundle | None = None
     drain_grace: float = 30.0
+    engine_lost_grace: float | None = 5.0
     version: str = "zmqdispatch"
 
     @property
@@ -110,6 +124,32 @@ class ServicerCore:
         self.started = time.time()
         self.last_receive = 0.0
         self._tokenspeed = options.runtime == "tokenspeed"
+        self._sglang = options.runtime == "sglang"
+
+    def mm_dtype(self, request: Any) -> str | None:
+        """What float32 tensors of a multimodal *request* are cast to, else None.
+
+        vLLM: the engines' model dtype (ready response ``dtype``), as vLLM's own
+        front end casts. TokenSpeed: the ready response's ``multimodal_encoder_dtype``
+        (the dtype of the loaded vision / audio tower, which its scheduler reports),
+        or the model dtype when it reports none, the dtype TokenSpeed's own gRPC
+        servicer casts encoder inputs to. SGLang carries no multimodal input: None.
+        """
+        if self._sglang:
+            return None
+        # TokenSpeed's GenerateRequest has no extra_mm_inputs
+        if not (request.HasField("mm_inputs") or (not self._tokenspeed and request.extra_mm_inputs)):
+            return None
+        try:
+            ready = self.client.ready
+        except ZmqDispatchError:  # no engine up: the request is refused as UNAVAILABLE later
+            return None
+        dtype = ready.dtype
+        if self._tokenspeed:
+            encoder = getattr(ready, "multimodal_encoder_dtype", None)
+            if isinstance(encoder, str) and encoder:
+                dtype = encoder
+        return dtype if isinstance(dtype, str) and dtype else None
 
     @property
     def active_requests(self) -> int:
@@ -131,7 +171,7 @@ class ServicerCore:
         try:
             # engine_index None: a data_parallel_rank is checked by the client against its engines
             translations = translate(request, self.options.translate, max_model_len=client.max_model_len,
-                                     engine_index=None)
+                                     engine_index=None, mm_dtype=self.mm_dtype(request))
         except RequestRejected as exc:
             await _abort_with(context, exc)
             return
@@ -194,17 +234,26 @@ class ServicerCore:
         if self.draining:
             return False, "shutting down"
         if not self.client.is_alive:
-            dead = [f"engine {s.engine_index}: {s.state.value}" for s in self.client.states()]
+            dead = [f"engine {s.engine_index}: {s.state.value}" + (f" ({s.reason})" if s.reason else "")
+                    for s in self.client.states()]
             return False, "no engine takes requests (" + ", ".join(dead) + ")"
         return True, "ok"
 
     def model_info(self) -> Any:
+        if self._sglang:
+            return facts_mod.sglang_model_info(self.options.facts, self.client.max_model_len)
         builder = facts_mod.tokenspeed_model_info if self._tokenspeed else facts_mod.vllm_model_info
         return builder(self.options.facts, self.client.max_model_len)
 
     def server_info(self) -> Any:
         dp = len(self.client.states())
         uptime = time.time() - self.started
+        if self._sglang:
+            return facts_mod.sglang_server_info(
+                active_requests=self.active_requests, uptime_seconds=uptime, data_parallel_size=dp,
+                start_time=self.started, facts=self.options.facts, max_model_len=self.client.max_model_len,
+                engine_version=next((e.engine_version.raw for e in self.client.engines.values()), ""),
+                last_receive_timestamp=self.last_receive)
         if self._tokenspeed:
             return facts_mod.tokenspeed_server_info(
                 active_requests=self.active_requests, uptime_seconds=uptime, data_parallel_size=dp,
@@ -213,18 +262,33 @@ class ServicerCore:
                                           data_parallel_size=dp, last_receive_timestamp=self.last_receive)
 
     def loads(self, request: Any) -> Any:
+        """The runtime's ``GetLoadsResponse`` (one rank's with ``dp_rank``).
+
+        Raises:
+            RequestRejected: ``dp_rank`` names no engine (field ``dp_rank``).
+        """
         stats = self.client.stats()
         rows = facts_mod.load_rows(self.client.loads(), {i: s.in_flight for i, s in stats.items()})
         dp_rank = request.dp_rank if request.HasField("dp_rank") else None
+        if dp_rank is not None and dp_rank not in stats:
+            raise RequestRejected(f"dp_rank: {dp_rank} is not an engine of this servicer (ranks "
+                                  f"{', '.join(map(str, sorted(stats)))})", field="dp_rank")
+        if self._sglang:
+            return facts_mod.sglang_loads(rows, version=self.options.version, dp_rank=dp_rank)
         builder = facts_mod.tokenspeed_loads if self._tokenspeed else facts_mod.vllm_loads
         return builder(rows, version=self.options.version, dp_rank=dp_rank)
 
     async def flush_cache(self) -> tuple[bool, str]:
-        """``reset_prefix_cache`` on every engine: ``(all succeeded, message)``."""
+        """``reset_prefix_cache`` (SGLang: ``flush_cache``) on every engine:
+        ``(all succeeded, message)``."""
+        if self._sglang:
+            return _outcome(await self.client.call_all("flush_cache"), "cache flushed")
         return _outcome(await self.client.call_all("reset_prefix_cache"), "prefix cache reset")
 
     async def profile(self, is_start: bool, request: Any = None) -> tuple[bool, str]:
         """Start or stop every engine's profiler: ``(all succeeded, message)``."""
+        if self._sglang:
+            return await self._sglang_profile(is_start, request)
         kwargs: dict[str, Any] = {}
         if request is not None:
             if request.HasField("output_dir"):
@@ -236,6 +300,21 @@ class ServicerCore:
                 kwargs["max_iterations"] = request.num_steps
         results = await self.client.call_all("profile", is_start, **kwargs)
         return _outcome(results, "profiler started" if is_start else "profiler stopped")
+
+    async def _sglang_profile(self, is_start: bool, request: Any) -> tuple[bool, str]:
+        # SGLang's start_profile takes the request's options as they are.
+        if not is_start:
+            return _outcome(await self.client.call_all("stop_profile"), "profiler stopped")
+        options: dict[str, Any] = {}
+        if request is not None:
+            for name in ("output_dir", "start_step", "num_steps", "with_stack", "record_shapes"):
+                if request.HasField(name):
+                    options[name] = getattr(request, name)
+            if request.activities:
+                options["activities"] = list(request.activities)
+            if request.profile_by_stage:
+                options["profile_by_stage"] = True
+        return _outcome(await self.client.call_all("start_profile", **options), "profiler started")
 
     async def tokenizer(self, context: grpc.aio.ServicerContext) -> None:
         bundle = self.options.bundle
@@ -287,7 +366,10 @@ class _SharedRPCs:
         return self.core.server_info()
 
     async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.core.loads(request)
+        try:
+            return self.core.loads(request)
+        except RequestRejected as exc:
+            await _abort_with(context, exc)
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ok, message = await self.core.flush_cache()
@@ -337,6 +419,36 @@ class TokenSpeedSchedulerServicer(_SharedRPCs, ts_grpc.TokenSpeedSchedulerServic
         return ts_pb.AbortResponse(success=False, message=f"no open request {request.request_id!r}")
 
 
+class SglangSchedulerServicer(_SharedRPCs, sg_grpc.SglangSchedulerServicer):  # type: ignore[misc]
+    """``sglang.grpc.scheduler.SglangScheduler`` over a :class:`ServicerCore` (the
+    SGLang schedulers behind it answer FlushCache / StartProfile / StopProfile as
+    CONTROL calls)."""
+
+    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "Embed: the ZMQ transport serves generation only")
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        healthy, message = self.core.health()
+        return sg_pb.HealthCheckResponse(healthy=healthy, message=message)
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = self.core.abort([request.request_id])
+        if n:
+            return sg_pb.AbortResponse(success=True, message=f"aborted {n} open stream(s)")
+        return sg_pb.AbortResponse(success=False, message=f"no open request {request.request_id!r}")
+
+    async def LoadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "LoadLoRAAdapter: LoRA adapters are not carried over the SGLang ZMQ transport")
+
+    async def UnloadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "UnloadLoRAAdapter: LoRA adapters are not carried over the SGLang ZMQ "
+                                      "transport")
+
+    async def ListLoadedLoRAAdapters(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "ListLoadedLoRAAdapters: LoRA adapters are not carried over the SGLang ZMQ "
+                                      "transport")
+
+
 @attrs.define
 class RunningServer:
     """A started server (:func:`open_server`).
@@ -361,8 +473,8 @@ class RunningServer:
 
 
 def _service_names(runtime: str) -> tuple[str, ...]:
-    pb = ts_pb if runtime == "tokenspeed" else vllm_pb
-    service = "TokenSpeedScheduler" if runtime == "tokenspeed" else "VllmEngine"
+    pb, service = {"tokenspeed": (ts_pb, "TokenSpeedScheduler"),
+                   "sglang": (sg_pb, "SglangScheduler")}.get(runtime, (vllm_pb, "VllmEngine"))
     return (pb.DESCRIPTOR.services_by_name[service].full_name,)
 
 
@@ -380,7 +492,9 @@ def bind_server(options: ServeOptions) -> RunningServer:
                                       ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
     names = _service_names(options.runtime)
-    if options.runtime == "tokenspeed":
+    if options.runtime == "sglang":
+        sg_grpc.add_SglangSchedulerServicer_to_server(SglangSchedulerServicer(core), server)
+    elif options.runtime == "tokenspeed":
         ts_grpc.add_TokenSpeedSchedulerServicer_to_server(TokenSpeedSchedulerServicer(core), server)
     else:
         vllm_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(core), server)
@@ -440,6 +554,58 @@ async def open_server(client: Any, options: ServeOptions, *, bound: RunningServe
             await asyncio.gather(watcher, return_exceptions=True)
 
 
+class EnginesLost(ZmqDispatchError):
+    """:func:`serve`: every engine was dead for ``engine_lost_grace`` seconds
+    and none came back; the message names each engine and why it died."""
+
+
+def engines_lost(client: Any) -> str | None:
+    """Why no engine takes requests when every engine of *client* is dead
+    (``"engine 0: process_exit: engine process 7 exited with code 1"``, one
+    part per engine); ``None`` while any is up or draining, or the client is closing."""
+    states = client.states()
+    if client.is_alive or not states or any(s.state is not EngineState.DEAD or s.reason == "closed"
+                                            for s in states):
+        return None
+    parts = []
+    for s in states:
+        death = client.engine(s.engine_index).death
+        parts.append(f"engine {s.engine_index}: {s.reason}" + (f": {death}" if death is not None else ""))
+    return "; ".join(parts)
+
+
+async def watch_engines(client: Any, grace: float) -> str:
+    """Return :func:`engines_lost`'s reason once every engine of *client* has
+    been dead for *grace* seconds on end (an engine that comes back within
+    them, e.g. restarted elsewhere and dialing the handshake again, starts the
+    watch over). One engine: its death is awaited; several: polled every
+    :data:`_HEALTH_POLL_SECONDS`."""
+    while True:
+        reason = engines_lost(client)
+        if reason is None:
+            if client.is_alive and len(client.states()) == 1:
+                await client.wait_dead()
+            else:
+                await asyncio.sleep(_HEALTH_POLL_SECONDS)
+            continue
+        _log.info("no engine takes requests (%s): exiting unless one is up within %.1f s", reason, grace)
+        try:
+            await asyncio.wait_for(client.wait_for_engines(1), grace)
+        except TimeoutError:
+            return reason
+        _log.info("an engine is up again: serving")
+
+
+def warn_at_startup(options: ServeOptions) -> None:
+    """Log what a serving setup lacks that a caller should know: no
+    vocabulary size means token ids go to the engine unchecked. Called once
+    the address is bound, so a bind failure stays the only line."""
+    if options.facts.vocab_size is None:
+        _log.warning("no vocabulary size (--vocab-size, or --model-path / --tokenizer-path with a config.json): "
+                     "token ids are not checked against it, and an id past the model's vocabulary crashes a vLLM "
+                     "engine for every client")
+
+
 async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
                 ready: Callable[[str], None] | None = None) -> str:
     """``zmqdispatch serve-grpc``: connect (``zmqdispatch.aio.connect(**connect_kwargs)``),
@@ -453,6 +619,9 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
         signal during the drain cuts it short: every open stream is aborted.
 
     Raises:
+        EnginesLost: every engine was dead for ``options.engine_lost_grace``
+            seconds (:func:`watch_engines`); raised after the drain and the
+            client's close (a launched engine is stopped).
         what ``aio.connect`` raises (handshake, bind), ``OSError`` for the gRPC address.
     """
     from ..aio import connect  # the asyncio API (a trio guest run); open_server takes any client of its shape
@@ -463,6 +632,13 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
     assert body is not None
     serving = False
     got: list[str] = []
+    lost: list[str] = []
+
+    async def watch(client: Any, grace: float) -> None:
+        try:
+            lost.append(await watch_engines(client, grace))
+        finally:
+            stop.set()  # a failure of the watch stops the server too (raised below), never a silent hang
 
     def on_signal(sig: signal.Signals) -> None:
         got.append(sig.name)
@@ -474,6 +650,7 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     bound = bind_server(options)
+    warn_at_startup(options)
     try:
         async with connect(**connect_kwargs) as client, open_server(client, options, bound=bound) as running:
             serving = True
@@ -481,8 +658,18 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
                       len(client.states()))
             if ready is not None:
                 ready(running.address)
-            await stop.wait()
-            _log.info("%s: draining (grace %.1f s)", got[0], options.drain_grace)
+            watcher = None
+            if options.engine_lost_grace is not None:
+                watcher = asyncio.create_task(watch(client, options.engine_lost_grace))
+            try:
+                await stop.wait()
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                    await asyncio.gather(watcher, return_exceptions=True)
+            if watcher is not None and not watcher.cancelled() and (failure := watcher.exception()) is not None:
+                raise failure
+            _log.info("%s: draining (grace %.1f s)", "every engine lost" if lost else got[0], options.drain_grace)
     except asyncio.CancelledError:
         if not got or body.uncancel() > 0:
             raise
@@ -491,4 +678,6 @@ async def serve(options: ServeOptions, connect_kwargs: Mapping[str, Any], *,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await bound.server.stop(None)  # unbinds a server that never started (a failed connect); else a no-op
+    if lost:
+        raise EnginesLost(f"every engine was dead for {options.engine_lost_grace:g} s and none came back: {lost[0]}")
     return got[0] if got else ""

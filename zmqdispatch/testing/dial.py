@@ -31,8 +31,10 @@ import attrs
 import zmq
 
 from .._zmq_trio import TrioSocket, ZmqContext
+from ..wire import sglang_engine as sg_engine
 from ..wire import tokenspeed_engine as ts_engine
 from ..wire import vllm_handshake
+from ..wire.sglang import SGLANG_VERSION
 from ..wire.tokenspeed import TOKENSPEED_VERSION
 
 __all__ = ["EngineSockets", "dial", "ready_response"]
@@ -41,7 +43,7 @@ __all__ = ["EngineSockets", "dial", "ready_response"]
 def ready_response(
     max_model_len: int = 1024,
     *,
-    runtime: Literal["vllm", "tokenspeed"] = "vllm",
+    runtime: Literal["vllm", "tokenspeed", "sglang"] = "vllm",
     engine_index: int = 0,
     max_num_seqs: int = 1024,
     build: str = "zmqdispatch.testing",
@@ -52,7 +54,10 @@ def ready_response(
     Wire source: vLLM 0.32 ``EngineCoreProc``'s ready map, or TokenSpeed
     0.1.1's (``runtime="tokenspeed"``: ``vllm_version`` is
     ``tokenspeed-0.1.1+<build>``, which is how the client tells the runtimes
-    apart, and ``kv_cache_size_tokens`` is set). ``vllm_version`` is a checked
+    apart, and ``kv_cache_size_tokens`` is set), or an SGLang 0.5.21 scheduler's
+    (``runtime="sglang"``: ``sglang-0.5.21+<build>``, block size 1 (SGLang's page
+    size), ``kv_cache_size_tokens`` set and SGLang 0.5.21's ``positional_layouts``).
+    ``vllm_version`` is a checked
     release (``0.32.0``) with ``+<build>`` as its local part, so the client's
     version guard accepts it; ``num_gpu_blocks`` is 64 per 16 tokens of
     ``max_model_len`` (block size 16); ``data_parallel_rank`` and
@@ -65,7 +70,16 @@ def ready_response(
     """
     tokenspeed = runtime == "tokenspeed"
     blocks = max(1, max_model_len // 16) * 64
-    values: dict[str, Any] = {
+    if runtime == "sglang":
+        values: dict[str, Any] = {
+            "max_model_len": max_model_len, "num_gpu_blocks": blocks * 16, "block_size": 1, "dtype": "bfloat16",
+            "vllm_version": f"sglang-{SGLANG_VERSION}+{build}", "data_parallel_rank": engine_index,
+            "max_num_seqs": max_num_seqs, "instance_id": f"{build.replace('.', '-')}-{engine_index}",
+            "kv_cache_size_tokens": blocks * 16, "positional_layouts": sg_engine.ready_layouts(),
+        }
+        values.update(fields)
+        return vllm_handshake.EngineCoreReadyResponse(**values)
+    values = {
         "max_model_len": max_model_len,
         "num_gpu_blocks": blocks,
         "block_size": 16,
@@ -121,6 +135,7 @@ async def dial(
     send_ready: bool = True,
     input_rcvhwm: int = 0,
     tokenspeed: bool = False,
+    sglang: bool = False,
     monitor_input: bool = False,
     hang_up_after: Literal["HELLO", "INIT", "READY"] | None = None,
 ) -> EngineSockets:
@@ -142,6 +157,8 @@ async def dial(
     before its ready response, so that handshake never completes; vLLM sends
     it last, so ``"READY"`` is an engine that dies as its handshake completes
     (the client may see the handshake fail, or complete and the engine die).
+    ``sglang=True``: the SGLang plugin's handshake, TokenSpeed's order and maps with
+    the ready response as the plugin writes it (``block_size``, ``positional_layouts``).
 
     Raises:
         InvalidAddressError: libzmq refused an address (the handshake
@@ -170,7 +187,7 @@ async def dial(
 
     try:
         hs.connect(handshake_address, role="handshake_address")
-        if tokenspeed:
+        if tokenspeed or sglang:
             await hs.send([ts_engine.encode_hello()])
             if hang_up("HELLO"):
                 return EngineSockets(inp, out, engine_index)
@@ -184,7 +201,8 @@ async def dial(
                 return EngineSockets(inp, out, engine_index)
             inp.connect(init.inputs[0])
             if send_ready_response:
-                await inp.send([ts_engine.encode_ready_response(ready)])
+                await inp.send([vllm_handshake.encode_ready_response(ready) if sglang
+                                else ts_engine.encode_ready_response(ready)])
             out.connect(init.outputs[0])
         else:
             await hs.send([vllm_handshake.encode_hello(local=local, headless=headless)])

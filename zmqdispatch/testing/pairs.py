@@ -27,9 +27,9 @@ from .dial import ready_response
 from .fake_engine import FakeEngine
 
 if TYPE_CHECKING:
-    from ..mock.server import _MockEngine, _TokenSpeedMockEngine
+    from ..mock.server import _MockEngine, _SGLangMockEngine, _TokenSpeedMockEngine
 
-    MockEngine = _MockEngine | _TokenSpeedMockEngine
+    MockEngine = _MockEngine | _TokenSpeedMockEngine | _SGLangMockEngine
 
 __all__ = ["open_fake_engine_pair", "open_mock_engine_pair"]
 
@@ -84,7 +84,7 @@ async def open_fake_engine_pair(
 @asynccontextmanager
 async def open_mock_engine_pair(
     *,
-    runtime: Literal["vllm", "tokenspeed"] = "vllm",
+    runtime: Literal["vllm", "tokenspeed", "sglang"] = "vllm",
     max_model_len: int = 1024,
     engine_kw: Mapping[str, Any] | None = None,
     **config: Any,
@@ -99,7 +99,8 @@ async def open_mock_engine_pair(
     the program exit closes its sockets and ends its task instead.
 
     Args:
-        runtime: ``"vllm"`` (vLLM 0.32 EngineCore wire) or ``"tokenspeed"``
+        runtime: ``"vllm"`` (vLLM 0.32 EngineCore wire), ``"sglang"`` (an SGLang
+            0.5.21 scheduler behind the SGLang plugin) or ``"tokenspeed"``
             (TokenSpeed 0.1.1).
         max_model_len: the engine's context length in tokens.
         engine_kw: further ``MockEngineConfig`` fields.

@@ -26,11 +26,14 @@ proto field                        rule
                                    token, the one logprob the wire carries); > 1 refused
 ``token_ids_logprob``              refused when non-empty (not on the wire)
 ``stream``                         ``stream`` (cadence only); ``False`` emits only the complete
-``mm_inputs``                      refused (multimodal is not supported on this transport)
+``mm_inputs``                      ``multimodal_inputs``, ``input_ids`` padded with each item's
+                                   ``pad_value``, ``input_ids_unpadded`` the prompt as given
+                                   (:mod:`.tokenspeed_multimodal`: its table, its refusals)
 ``encode_bootstrap_info``,         refused (PD / EPD disaggregation needs a rendezvous this
 ``kv_bootstrap_info``              transport does not carry)
-``data_parallel_rank``             must name the connected engine; not sent (unused for
-                                   routing on the direct wire)
+``data_parallel_rank``             the client's placement pin (a client of several engines sends
+                                   the request to that rank; one of one engine refuses another
+                                   rank); sent as is (the scheduler ignores it on this wire)
 ``sampling_params`` absent         TokenSpeed's defaults (special-token flags true)
 ``temperature`` .. ``repetition``  sent when set (``optional``), else TokenSpeed's default;
                                    ranges as TokenSpeed's ``verify``; ``top_k`` 0 and
@@ -76,7 +79,6 @@ and keeps its token, as a text match would.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -85,12 +87,13 @@ import attrs
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from .. import limits
-from ..errors import RequestRejected
-from ..protocol.checks import json_depth
 from ..protocol.mailbox import OutputDelta
 from ..wire import tokenspeed as ts
 from ..wire import vllm as vllm_wire
+from ._fields import LOGIT_BIAS_RANGE, logit_bias, sample_count, structured_constraint
+from ._fields import reject as _reject
 from .stops import StopPlan, StopStringMatcher, resolve_stop_strings
+from .tokenspeed_multimodal import translate_mm_inputs
 
 __all__ = [
     "FINISH_REASON_STRINGS",
@@ -111,8 +114,6 @@ FINISH_REASON_STRINGS = {
     vllm_wire.FinishReason.ABORT: "abort",
 }
 
-#: ``logit_bias`` values outside this range are refused (the OpenAI API range).
-LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 _UINT64 = 2**64
 
@@ -130,12 +131,20 @@ class TranslationConfig:
             naming another engine is refused.
         tokenizer: optional; needed for stop strings (anything with
             ``encode``/``decode``, e.g. a ``tokenizers.Tokenizer``).
+        mm_dtype: the dtype the engine's encoder takes (its ready response's
+            ``multimodal_encoder_dtype``, else its model ``dtype``); when set, a float32 ``encoder_input`` is cast to it
+            and another floating dtype refused (:mod:`.tokenspeed_multimodal`).
+        max_mm_bytes: limit on a request's multimodal tensor bytes.
+        max_mm_items: limit on a request's multimodal items.
     """
 
     max_model_len: int
     vocab_size: int | None = None
     engine_index: int | None = None
     tokenizer: Any = None
+    mm_dtype: str | None = None
+    max_mm_bytes: int = limits.DEFAULT_MAX_MM_BYTES
+    max_mm_items: int = limits.DEFAULT_MAX_MM_ITEMS
 
 
 @attrs.frozen(kw_only=True)
@@ -193,27 +202,6 @@ class Translation:
         )
 
 
-def _reject(rid: str, field: str, why: str) -> RequestRejected:
-    return RequestRejected(f"{field}: {why}", request_id=rid, field=field)
-
-
-def _constraint(rid: str, sp: pb.SamplingParams) -> dict[str, Any]:
-    which = sp.WhichOneof("constraint")
-    if which is None:
-        return {}
-    value = getattr(sp, which)
-    field = f"sampling_params.{which}"
-    if not value:
-        raise _reject(rid, field, "must not be empty")
-    if which == "json_schema":
-        try:
-            schema = json.loads(value)
-        except (ValueError, RecursionError):
-            raise _reject(rid, field, "is not valid JSON") from None
-        if json_depth(schema) > limits.MAX_JSON_NESTING:
-            raise _reject(rid, field, f"nests deeper than {limits.MAX_JSON_NESTING} levels")
-    return {"ebnf" if which == "ebnf_grammar" else which: value}
-
 
 def _finite(rid: str, sp: pb.SamplingParams, name: str, default: float) -> float:
     if not sp.HasField(name):
@@ -246,8 +234,6 @@ def translate_request(req: pb.GenerateRequest, config: TranslationConfig) -> Tra
     prompt = tuple(req.tokenized.input_ids)
     if not prompt:
         raise _reject(rid, "tokenized.input_ids", "must not be empty")
-    if req.HasField("mm_inputs"):
-        raise _reject(rid, "mm_inputs", "multimodal input is not supported over the TokenSpeed ZMQ transport")
     for name in ("kv_bootstrap_info", "encode_bootstrap_info"):
         if req.HasField(name):
             raise _reject(rid, name, "PD / EPD disaggregation is not supported over the ZMQ transport")
@@ -311,22 +297,10 @@ def translate_request(req: pb.GenerateRequest, config: TranslationConfig) -> Tra
         raise _reject(rid, f + "min_new_tokens",
                       f"{sp.min_new_tokens} exceeds max_new_tokens={max_new_tokens}")
 
-    logit_bias = None
-    if len(sp.logit_bias) > 0:
-        logit_bias = {}
-        for key, bias in sorted(sp.logit_bias.items()):
-            try:
-                tok = int(key)
-            except ValueError:
-                raise _reject(rid, f + "logit_bias", f"key {key!r} is not a token id") from None
-            if tok < 0 or str(tok) != key.strip() or (config.vocab_size is not None and tok >= config.vocab_size):
-                limit = f"[0, {config.vocab_size})" if config.vocab_size is not None else ">= 0"
-                raise _reject(rid, f + "logit_bias", f"key {key!r} is not a vocabulary id ({limit})")
-            if not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
-                raise _reject(rid, f + "logit_bias", f"bias {bias} for token {key} is outside [-100, 100]")
-            logit_bias[str(tok)] = float(bias)
-
-    constraint = _constraint(rid, sp)
+    bias = logit_bias(rid, sp, config.vocab_size)
+    constraint = structured_constraint(rid, sp)
+    mm = translate_mm_inputs(req, prompt, mm_dtype=config.mm_dtype, max_mm_bytes=config.max_mm_bytes,
+                             max_mm_items=config.max_mm_items)
     stop_ids = list(dict.fromkeys(sp.stop_token_ids))
     stop_plan = None
     if len(sp.stop) > 0:
@@ -356,16 +330,19 @@ def translate_request(req: pb.GenerateRequest, config: TranslationConfig) -> Tra
         skip_special_tokens=bool(sp.skip_special_tokens),
         spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
         no_stop_trim=bool(sp.no_stop_trim),
-        logit_bias=logit_bias,
+        logit_bias=bias,
         seed=seed,
         **constraint,
     )
     request = ts.TokenizedGenerateReqInput(
         rid=rid,
-        input_ids=prompt,
+        input_ids=prompt if mm is None else mm[1],
         sampling_params=params,
         return_logprob=bool(req.return_logprob),
         stream=bool(req.stream),
+        input_ids_unpadded=None if mm is None else prompt,
+        multimodal_inputs=None if mm is None else mm[0],
+        data_parallel_rank=req.data_parallel_rank if req.HasField("data_parallel_rank") else None,
     )
     return Translation(
         request=request,
@@ -404,13 +381,10 @@ def translate_parallel(req: pb.GenerateRequest, config: TranslationConfig) -> li
         RequestRejected: anything :func:`translate_request` refuses; ``n`` above
             :data:`zmqdispatch.limits.MAX_PARALLEL_SAMPLES`.
     """
-    n = max(1, req.sampling_params.n) if req.HasField("sampling_params") else 1
+    n = sample_count(req)
     if n == 1:
         return [translate_request(req, config)]
     rid = req.request_id
-    if n > limits.MAX_PARALLEL_SAMPLES:
-        raise _reject(rid, "sampling_params.n",
-                      f"n={n} exceeds the limit of {limits.MAX_PARALLEL_SAMPLES} samples per request")
     single = pb.GenerateRequest()
     single.CopyFrom(req)
     single.sampling_params.n = 1

@@ -53,6 +53,8 @@ from ..errors import RequestRejected
 from ..protocol.checks import json_depth
 from ..protocol.mailbox import OutputDelta
 from ..wire import vllm as wire
+from ..wire import vllm_multimodal as mm_wire
+from .multimodal import translate_mm_inputs
 from .stops import StopPlan, StopStringMatcher, resolve_stop_strings
 
 __all__ = [
@@ -113,6 +115,11 @@ class TranslationConfig:
             naming another engine is refused.
         tokenizer: optional; needed for stop strings (anything with
             ``encode``/``decode``, e.g. a ``tokenizers.Tokenizer``).
+        mm_dtype: the engine's model dtype (ready response ``dtype``): float32
+            multimodal tensors are cast to it, other floating dtypes must equal it
+            (:mod:`.multimodal`); None: sent as the gateway gave them.
+        max_mm_bytes: limit on a request's multimodal tensor bytes.
+        max_mm_items: limit on a request's multimodal items.
     """
 
     max_model_len: int
@@ -122,6 +129,9 @@ class TranslationConfig:
     structured_outputs_backend: str = "auto"
     engine_index: int | None = None
     tokenizer: Any = None
+    mm_dtype: str | None = None
+    max_mm_bytes: int = limits.DEFAULT_MAX_MM_BYTES
+    max_mm_items: int = limits.DEFAULT_MAX_MM_ITEMS
 
 
 @attrs.frozen(kw_only=True)
@@ -307,10 +317,6 @@ def translate_request(
         raise _reject(rid, "tokenized.input_ids", "must not be empty")
     if req.HasField("kv_transfer_params") or req.HasField("kv_transfer_params_json"):
         raise _reject(rid, "kv_transfer_params", "PD disaggregation is not supported over the ZMQ transport")
-    if req.HasField("mm_inputs") or len(req.extra_mm_inputs) > 0:
-        raise _reject(rid, "mm_inputs", "multimodal input is not supported yet")
-    if req.HasField("media_refs"):
-        raise _reject(rid, "media_refs", "multimodal input is not supported yet")
     dp_rank = None
     if req.HasField("data_parallel_rank"):
         dp_rank = req.data_parallel_rank
@@ -344,6 +350,11 @@ def translate_request(
                 rid, f + "truncate_prompt_tokens", f"{k} exceeds max_model_len={config.max_model_len}"
             )
         prompt = prompt[-k:]
+    full_prompt = tuple(req.tokenized.input_ids)
+    mm_features = translate_mm_inputs(req, full_prompt, mm_dtype=config.mm_dtype,
+                                      max_mm_bytes=config.max_mm_bytes, max_mm_items=config.max_mm_items)
+    if mm_features is not None and len(prompt) != len(full_prompt):
+        raise _reject(rid, f + "truncate_prompt_tokens", "cannot cut a prompt with multimodal placeholders")
 
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
     if not math.isfinite(temperature):
@@ -447,6 +458,7 @@ def translate_request(
     request = wire.EngineCoreRequest(
         request_id=rid,
         prompt_token_ids=prompt,
+        mm_features=None if mm_features is None else mm_wire.features_to_wire(mm_features),
         sampling_params=params,
         arrival_time=time.time() if arrival_time is None else arrival_time,
         data_parallel_rank=dp_rank,

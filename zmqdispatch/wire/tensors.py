@@ -23,6 +23,7 @@ high half of each float32.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Iterable, Sequence
@@ -44,6 +45,7 @@ __all__ = [
     "Tensor",
     "dtype_info",
     "as_c_bytes",
+    "cast_float32",
     "check_tensor",
     "decode_tensor",
     "encode_tensor",
@@ -536,3 +538,97 @@ def encode_tensor(
         return [wire_dtype, dims, msgpack.ExtType(EXT_RAW_VIEW, bytes(data))]
     aux.append(data)
     return [wire_dtype, dims, len(aux)]
+
+
+#: Bytes of float32 converted per step by :func:`cast_float32` (bounds its temporaries).
+_CAST_CHUNK = 1 << 18
+
+
+@functools.lru_cache(maxsize=32)
+def _lanes(pattern: bytes, n: int) -> int:
+    return int.from_bytes(pattern * n, "little")
+
+
+def _f32_to_bf16(chunk: memoryview) -> bytes:
+    # Round to nearest even on every 32-bit lane at once, with the lanes held in one
+    # Python int (C-speed bit operations; no carry crosses a lane), as torch's
+    # float32 -> bfloat16 conversion does; every NaN becomes 0x7FC0.
+    n = len(chunk) // 4
+    x = int.from_bytes(chunk, "little")
+    low16, one = _lanes(b"\xff\xff\0\0", n), _lanes(b"\x01\0\0\0", n)
+    hi = (x >> 16) & low16
+    lo = x & low16
+    y = hi + (((lo + _lanes(b"\xff\x7f\0\0", n) + (hi & one)) >> 16) & one)
+    # NaN: |x| > 0x7F800000, i.e. bit 31 of (|x| + 0x007FFFFF) set
+    nan = (((x & _lanes(b"\xff\xff\xff\x7f", n)) + _lanes(b"\xff\xff\x7f\0", n)) >> 31) & one
+    full = nan * 0x1FFFF
+    y = ((y | full) ^ full) | (nan * 0x7FC0)
+    wide = y.to_bytes(4 * n, "little")
+    out = bytearray(2 * n)
+    out[0::2] = wide[0::4]
+    out[1::2] = wide[1::4]
+    return bytes(out)
+
+
+def _numpy_cast(mv: memoryview, dtype: str) -> bytes | None:
+    """:func:`cast_float32` with numpy when it is installed (None otherwise): the
+    same bytes, 2x (bfloat16) to 8x (float16) faster."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    if dtype == "bfloat16":
+        # (x + 0x7FFF + lsb) >> 16, in one scratch array; NaNs (which the add
+        # could carry into the sign or exponent) are written afterwards
+        x = np.frombuffer(mv, dtype="<u4")
+        y = x >> 16
+        y &= 1
+        y += x
+        y += 0x7FFF
+        y >>= 16
+        out = y.astype("<u2")
+        nan = np.isnan(np.frombuffer(mv, dtype="<f4"))
+        if nan.any():
+            out[nan] = 0x7FC0
+        return out.tobytes()
+    f = np.frombuffer(mv, dtype="<f4")
+    with np.errstate(over="ignore"):
+        h = f.astype("<f2")
+    if np.isinf(h).any() and (np.isinf(h) & np.isfinite(f)).any():
+        raise LocalProtocolError("a float32 value is beyond float16's range (65504)")
+    return h.tobytes()
+
+
+def cast_float32(data: bytes | bytearray | memoryview, dtype: str) -> bytes:
+    """Little-endian float32 bytes converted to ``float16`` or ``bfloat16`` (torch names),
+    rounding to nearest even as ``torch.Tensor.to`` does: the same bytes for every
+    non-NaN value (a NaN stays NaN: 0x7FC0 in bfloat16, whose payload torch's
+    vectorized CPU cast may write otherwise). A new buffer of half the size: with
+    numpy when it is installed, else with Python integers in 256 KiB steps (both
+    C-speed; numpy 2x to 8x faster).
+
+    Raises:
+        LocalProtocolError: another target dtype, a byte count not a multiple of 4, or
+            (float16) a finite value beyond float16's range (65504), which torch would
+            turn into an infinity.
+    """
+    mv = memoryview(data).cast("B")
+    if mv.nbytes % 4:
+        raise LocalProtocolError(f"{mv.nbytes} bytes are not whole float32 values")
+    if dtype not in ("float16", "bfloat16"):
+        raise LocalProtocolError(f"cannot cast float32 to {dtype!r} (float16, bfloat16)")
+    fast = _numpy_cast(mv, dtype)
+    if fast is not None:
+        return fast
+    parts = []
+    for off in range(0, mv.nbytes, _CAST_CHUNK):
+        chunk = mv[off:off + _CAST_CHUNK]
+        if dtype == "bfloat16":
+            parts.append(_f32_to_bf16(chunk))
+            continue
+        n = chunk.nbytes // 4
+        try:
+            parts.append(struct.pack(f"<{n}e", *struct.unpack_from(f"<{n}f", chunk)))
+        except (OverflowError, struct.error):
+            raise LocalProtocolError("a float32 value is beyond float16's range (65504)") from None
+    return b"".join(parts)

@@ -84,6 +84,15 @@ from zmqdispatch.wire.schema import (
     _to_positional,
     is_dead_sentinel,
 )
+# The multimodal payload's structs (wire.tokenspeed_multimodal), re-exported: a client builds them.
+from zmqdispatch.wire.tokenspeed_multimodal import (  # re-exports (`x as x`)
+    DataItem as DataItem,
+    Modality as Modality,
+    MultimodalInputs as MultimodalInputs,
+    pad_input_ids as pad_input_ids,
+    pad_value as pad_value,
+)
+from zmqdispatch.wire.tokenspeed_multimodal import to_wire as _mm_to_wire
 from zmqdispatch.wire.vllm_handshake import EngineCoreReadyResponse
 # The output side (decode_outputs and what it returns) lives in wire.tokenspeed_outputs;
 # re-exported so that this module stays the client side of the wire in one import.
@@ -121,6 +130,7 @@ __all__ = [
     "BATCH_ELEMENTS",
     "BATCH_MIN_ELEMENTS",
     "BATCH_TAG",
+    "DataItem",
     "ENGINE_CORE_DEAD",
     "FINISH_ABORT",
     "FINISH_LENGTH",
@@ -137,6 +147,8 @@ __all__ = [
     "TOP_K_DISABLED",
     "TOP_K_FUSED_MAX",
     "LoadSnapshot",
+    "Modality",
+    "MultimodalInputs",
     "RequestType",
     "SessionParams",
     # outputs
@@ -153,6 +165,8 @@ __all__ = [
     "finalize_add",
     "is_dead_sentinel",
     "is_tokenspeed",
+    "pad_input_ids",
+    "pad_value",
 ]
 
 #: The TokenSpeed release whose wire this module speaks (and whose vectors it matches).
@@ -383,9 +397,11 @@ def _k_session(v: Any) -> Any:
 
 def _k_multimodal(v: Any) -> Any:
     # MultimodalInputs is an untagged array whose first field (mm_items) has no
-    # default, so TokenSpeed needs at least one element. Kept as raw msgpack values.
-    if v is None:
-        return None
+    # default, so TokenSpeed needs at least one element. A typed
+    # wire.tokenspeed_multimodal.MultimodalInputs (what a client sends), else kept as
+    # raw msgpack values (what decode_add leaves).
+    if v is None or isinstance(v, MultimodalInputs):
+        return v
     if type(v) not in (list, tuple) or not v:
         raise _Bad("expected a non-empty array or nil")
     return v
@@ -407,9 +423,13 @@ class TokenizedGenerateReqInput:
     != 0, a non-empty ``token_ids_logprob`` or a ``logprob_start_len`` that asks for
     prompt logprobs abort the request. ``stream`` only changes the emission cadence.
     ``bootstrap_*`` are PD rendezvous fields, ``data_parallel_rank`` is not used for
-    routing here, ``validation_error`` (set by a sender) forces an abort.
-    ``multimodal_inputs`` is kept as raw msgpack values (tensors inside may be
-    :class:`~zmqdispatch.wire.tensors.Tensor` objects when encoding).
+    routing by the engine here (the client places by it), ``validation_error`` (set by a sender) forces an abort.
+    ``multimodal_inputs``: to send, a
+    :class:`~zmqdispatch.wire.tokenspeed_multimodal.MultimodalInputs` (with the padded
+    ``input_ids`` and the original ones in ``input_ids_unpadded``,
+    ``docs/multimodal.md``) or raw msgpack values (tensors inside may be
+    :class:`~zmqdispatch.wire.tensors.Tensor` objects); decoded, the raw values
+    (:func:`~zmqdispatch.wire.tokenspeed_multimodal.decode_multimodal_inputs` reads them).
     """
 
     rid: str = _field(kind=_k_str)
@@ -457,7 +477,9 @@ def encode_add(req: TokenizedGenerateReqInput, *, elements: int = REQUEST_ELEMEN
 
     Raises:
         LocalProtocolError: a field of the wrong type (the message names it), a dropped
-            field that is not at its default, or an ``elements`` outside 6..25.
+            field that is not at its default, an ``elements`` outside 6..25, or
+            ``multimodal_inputs`` that cannot be sent
+            (:func:`~zmqdispatch.wire.tokenspeed_multimodal.to_wire`).
     """
     if not isinstance(req, TokenizedGenerateReqInput):
         raise LocalProtocolError(f"expected a TokenizedGenerateReqInput, got {_tname(req)}")
@@ -482,7 +504,7 @@ def encode_add(req: TokenizedGenerateReqInput, *, elements: int = REQUEST_ELEMEN
         elif name == "session_params" and v is not None:
             body.append(_to_positional(v, "session_params"))
         elif name == "multimodal_inputs":
-            body.append(_prep(v, aux))
+            body.append(_prep(_mm_to_wire(v) if isinstance(v, MultimodalInputs) else v, aux))
         else:
             body.append(v)
     return [_pack(body), *aux]
@@ -519,8 +541,9 @@ def encode_abort(request_ids: Sequence[str]) -> bytes:
 def decode_ready_response(payload: bytes) -> EngineCoreReadyResponse:
     """Decode a ready response; the vLLM decoder already reads TokenSpeed's map.
 
-    ``prefix_granularity`` lands in ``block_size``; ``multimodal_encoder_dtype`` is
-    ignored; ``vllm_version`` is ``"tokenspeed-<version>"`` (see :func:`is_tokenspeed`).
+    ``prefix_granularity`` lands in ``block_size``; ``multimodal_encoder_dtype`` (the
+    dtype of the model's vision / audio tower, nil for a text model) in the field of
+    that name; ``vllm_version`` is ``"tokenspeed-<version>"`` (see :func:`is_tokenspeed`).
     Note ``max_model_len`` is the model's context length, not what the cache admits.
     Raises RemoteProtocolError.
     """

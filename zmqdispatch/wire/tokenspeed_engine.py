@@ -248,7 +248,7 @@ def encode_ready() -> bytes:
 READY_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 
 
-def encode_ready_response(resp: EngineCoreReadyResponse, *, multimodal_encoder_dtype: str | None = None) -> bytes:
+def encode_ready_response(resp: EngineCoreReadyResponse) -> bytes:
     """TokenSpeed 0.1.1's ready-response map (for the mock engine): 19 keys in its order.
 
     Keys: ``max_model_len, num_gpu_blocks, prefix_granularity`` (= ``resp.block_size``),
@@ -256,7 +256,8 @@ def encode_ready_response(resp: EngineCoreReadyResponse, *, multimodal_encoder_d
     data_parallel_size, tensor_parallel_size, pipeline_parallel_size,
     decode_context_parallel_size, data_parallel_rank, max_num_seqs,
     max_num_batched_tokens, instance_id, kv_cache_size_tokens,
-    kv_cache_max_concurrency, kv_events_config``. vLLM-only fields of ``resp``
+    kv_cache_max_concurrency, kv_events_config``; ``multimodal_encoder_dtype`` is
+    ``resp.multimodal_encoder_dtype`` (nil when None). vLLM-only fields of ``resp``
     (``supports_lora``...) are not written.
 
     Raises:
@@ -276,7 +277,7 @@ def encode_ready_response(resp: EngineCoreReadyResponse, *, multimodal_encoder_d
             "prefix_granularity": _k_int(resp.block_size),
             "dp_stats_address": _opt_str(resp.dp_stats_address),
             "dtype": resp.dtype,
-            "multimodal_encoder_dtype": _opt_str(multimodal_encoder_dtype),
+            "multimodal_encoder_dtype": _opt_str(resp.multimodal_encoder_dtype),
             "vllm_version": _k_str(resp.vllm_version),
             "world_size": _k_int(resp.world_size),
             "data_parallel_size": _k_int(resp.data_parallel_size),

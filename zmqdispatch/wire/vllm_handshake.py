@@ -186,7 +186,9 @@ class EngineCoreReadyResponse:
     ``max_model_len`` (tokens, > 0) is the only required key: it bounds prompt +
     ``max_tokens``. Missing keys take the defaults below, unknown keys (0.33.0's
     ``coord_store_port``/``coordinator_*_address``, TokenSpeed's extras) are ignored,
-    and TokenSpeed's ``prefix_granularity`` is read as ``block_size``.
+    and TokenSpeed's ``prefix_granularity`` is read as ``block_size``. SGLang's
+    ``positional_layouts`` and TokenSpeed's ``multimodal_encoder_dtype`` are read into
+    the last two fields.
     ``data_parallel_size > 1`` means MoE lock-step waves. ``max_num_batched_tokens`` is
     signed (TokenSpeed sends -1).
     """
@@ -216,6 +218,14 @@ class EngineCoreReadyResponse:
     enable_sleep_mode: bool = False
     supports_draft_weight_updates: bool = False
     effective_attention_block_size: int | None = None
+    #: SGLang only: the field order of each positional struct the scheduler decodes,
+    #: by class name (``wire.sglang.check_layouts``); None when not sent, and then
+    #: not written either (vLLM and TokenSpeed send no such key).
+    positional_layouts: dict[str, tuple[str, ...]] | None = None
+    #: TokenSpeed only: the dtype of the model's multimodal encoder (its vision or
+    #: audio tower, ``"bfloat16"``...), None when the scheduler found none (a text
+    #: model); not written when None (vLLM and SGLang send no such key).
+    multimodal_encoder_dtype: str | None = None
 
 
 def _strict(kind: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
@@ -241,6 +251,12 @@ def encode_ready_response(resp: EngineCoreReadyResponse) -> bytes:
     """The ready-response map, every field in declaration order (vector
     ``handshake_ready_response``). Raises LocalProtocolError if a value cannot be packed."""
     body = _handshake_converter.unstructure(resp)
+    if body.get("multimodal_encoder_dtype") is None:
+        body.pop("multimodal_encoder_dtype", None)
+    if body.get("positional_layouts") is None:
+        body.pop("positional_layouts", None)
+    else:
+        body["positional_layouts"] = {k: list(v) for k, v in body["positional_layouts"].items()}
     if type(body.get("kv_cache_max_concurrency")) is int:
         body["kv_cache_max_concurrency"] = float(body["kv_cache_max_concurrency"])
     return _pack(body)
