@@ -20,9 +20,11 @@ once nothing can tick the run any more, the run's launched engines get
 SIGTERM on their process groups (:meth:`TrioGuest.host_closed`) and the run
 is left as it is. That moment is seen one of two ways: trio's I/O thread
 hands back an event and the closed loop refuses it, or the loop's close drops
-the run's pending tick, which frees trio's guest state (watched with
-:func:`weakref.finalize`; it lives exactly as long as a pending tick or the
-I/O thread's wait holds it). ``host_uses_signal_set_wakeup_fd=True``:
+a callback of the run that had not run (:class:`_Callback`). trio's guest
+state is held by the :class:`TrioGuest` for as long as it lives, so an
+abandoned run is never finalized by the garbage collector in trio's I/O
+thread, where trio's clean-up cannot restore the SIGINT handler.
+``host_uses_signal_set_wakeup_fd=True``:
 asyncio owns the signal wakeup fd; Ctrl-C is asyncio's (``asyncio.run``
 cancels its main task), not trio's.
 """
@@ -87,7 +89,8 @@ class TrioGuest:
         #: process group ids of the engines the run's clients launched (:meth:`host_closed`)
         self.engine_groups: set[int] = set()
         self._host_gone = False
-        self._watched = False
+        #: trio's guest state (the run's generator), kept: see the module docstring
+        self._state: object = None
 
     def __repr__(self) -> str:
         return f"<TrioGuest users={self.users} stopping={self.stopping} running={self.nursery is not None}>"
@@ -134,24 +137,21 @@ class TrioGuest:
 
     def _tick_soon(self, fn: Callable[[], object]) -> None:
         # trio's first call passes its guest state's bound ``guest_tick``
-        if not self._watched:
-            self._watched = True
-            state = getattr(fn, "__self__", None)
-            if state is not None:
-                weakref.finalize(state, self._state_freed).atexit = False
-        self.loop.call_soon(fn)
+        if self._state is None:
+            self._state = getattr(fn, "__self__", fn)
+        self.loop.call_soon(_Callback(fn, self))
 
-    def _state_freed(self) -> None:
-        # trio's guest state is gone: if the run had not ended, its last tick
-        # was dropped by a closed loop and nothing will run trio again
-        if not self.done.done():
+    def callback_dropped(self) -> None:
+        """A callback of the run was freed unrun (:class:`_Callback`): if the loop
+        is closed, nothing will run trio again (:meth:`host_closed`)."""
+        if self.loop.is_closed() and not self.done.done():
             self.host_closed()
 
     def _to_host(self, fn: Callable[[], object]) -> None:
         # trio's I/O thread hands its events to the loop; a loop closed under
         # the run refuses them (RuntimeError), and nothing will run trio again
         try:
-            self.loop.call_soon_threadsafe(fn)
+            self.loop.call_soon_threadsafe(_Callback(fn, self))
         except RuntimeError:
             if not self.loop.is_closed():
                 raise
@@ -233,6 +233,26 @@ async def _job(fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], fut: as
     finally:
         if not ended.done():
             ended.set_result(None)
+
+
+class _Callback:
+    """A callback of the guest run on the loop; one that is freed without
+    having run was dropped by the loop's ``close`` (:meth:`TrioGuest.callback_dropped`)."""
+
+    __slots__ = ("fn", "guest", "ran")
+
+    def __init__(self, fn: Callable[[], object], guest: TrioGuest) -> None:
+        self.fn = fn
+        self.guest = guest
+        self.ran = False
+
+    def __call__(self) -> None:
+        self.ran = True
+        self.fn()
+
+    def __del__(self) -> None:
+        if not self.ran:
+            self.guest.callback_dropped()
 
 
 def _reap(pid: int) -> None:
